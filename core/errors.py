@@ -1,0 +1,75 @@
+"""The one error hierarchy of Baton: every error a client can see knows its gRPC code and HTTP status.
+
+`core` must not import grpc, so the gRPC code is kept as its canonical name (``"INVALID_ARGUMENT"``);
+the services map it to ``grpc.StatusCode[name]`` in one place.
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """Base of all errors that reach a client; unknown exceptions become INTERNAL with a generic message."""
+
+    grpc_code: str = "INTERNAL"
+    http_status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(ServingError):
+    """A request field is missing, of the wrong type or out of range."""
+
+    grpc_code = "INVALID_ARGUMENT"
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """prompt tokens + max_tokens do not fit in the model version's context."""
+
+
+class ModelNotFound(ServingError):
+    """The requested model name or version does not exist."""
+
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+    error_type = "model_not_found"
+
+
+class ModelLoadError(ServingError):
+    """A model directory or file is missing, malformed or of an unsupported architecture."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 500
+    error_type = "model_load_error"
+
+
+class CapacityExceeded(ServingError):
+    """Admission refused: a queue, quota or the KV cache is full. Retry later."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestAborted(ServingError):
+    """The request was cancelled by the client or by a deadline."""
+
+    grpc_code = "CANCELLED"
+    http_status = 499
+    error_type = "cancelled"
+
+
+class Unavailable(ServingError):
+    """A dependency (worker, scheduler, Redis) is unreachable; the request may be retried."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+    error_type = "unavailable"
