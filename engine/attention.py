@@ -1,0 +1,136 @@
+"""Paged attention over the KV cache: a unified torch reference, the fast CPU paths, and the GPU dispatch.
+
+The KV cache of a worker is one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+(block-major) so that one block of one request — all layers, K and V — is a single contiguous run of
+bytes: the unit kv_transfer moves. A layer's K (or V) cache is the strided view
+``kv_cache[:, layer, 0]`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+A flattened batch holds ``T`` query tokens from ``S`` sequences. Token ``t`` belongs to sequence
+``token_seq_ids[t]``, sits at absolute position ``token_positions[t]`` and attends to that sequence's keys
+at positions ``0 .. token_positions[t]`` (causal), found through ``block_tables[seq]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """A sequence that contributes several query tokens (a prompt chunk) to the flattened batch."""
+
+    token_start: int  # first row in the flattened batch
+    token_end: int  # one past the last row
+    start_pos: int  # absolute position of the first query token
+    block_table: torch.Tensor  # [n_blocks] long, covering positions 0 .. start_pos + n - 1
+    mask: torch.Tensor | None  # [n, ctx] bool (True = attend), None when a plain causal mask will do
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's tokens sit in the paged cache. Decode tokens (one per sequence) come first."""
+
+    positions: torch.Tensor  # [T] long
+    slot_blocks: torch.Tensor  # [T] long
+    slot_offsets: torch.Tensor  # [T] long
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSpan]
+    # The unified form used by the GPU kernel (every token: its sequence and that sequence's table).
+    block_tables: torch.Tensor | None = None  # [S, max_blocks]
+    token_seq_ids: torch.Tensor | None = None  # [T]
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int, padded with any valid block id
+    token_seq_ids: torch.Tensor,  # [T] int
+    token_positions: torch.Tensor,  # [T] int
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Straightforward per-token paged attention: the definition every faster path is tested against."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for t in range(num_tokens):
+        seq = int(token_seq_ids[t])
+        pos = int(token_positions[t])
+        lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+        n_ctx = pos + 1
+        n_blocks = (n_ctx + block_size - 1) // block_size
+        blocks = block_tables[seq, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[lo:n_ctx]  # [L, KVH, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[lo:n_ctx]
+        k = k.repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[t].float(), k.float()) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[t] = torch.einsum("hl,lhd->hd", probs, v.float()).to(q.dtype)
+    return out
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (strided view into the block-major cache)
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    slot_blocks: torch.Tensor,  # [T] long: block id of each new token
+    slot_offsets: torch.Tensor,  # [T] long: offset inside that block
+) -> None:
+    """Stores the new tokens' keys and values in their slots (in place through the views)."""
+    k_cache[slot_blocks, slot_offsets] = k
+    v_cache[slot_blocks, slot_offsets] = v
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads; q [B,H,Lq,D], k/v [B,KVH,Lk,D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_new: torch.Tensor,  # [T, KVH, D] this step's keys (already written to the cache)
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Attention for a mixed batch: the Triton kernel on GPU; on CPU one batched SDPA for all decode
+    tokens plus one SDPA per prompt chunk (a fresh prompt uses its own K/V, no cache gather)."""
+    if q.is_cuda and meta.block_tables is not None and meta.token_seq_ids is not None:
+        from engine.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_cache, v_cache, meta.block_tables, meta.token_seq_ids, meta.positions, scale, sliding_window
+        )
+    outs: list[torch.Tensor] = []
+    nd = meta.num_decode_tokens
+    if nd:
+        bt = meta.decode_block_tables
+        k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [Bd, KVH, L, D]
+        v = v_cache[bt].flatten(1, 2).transpose(1, 2)
+        outs.append(sdpa(q[:nd].unsqueeze(2), k, v, meta.decode_mask, scale).squeeze(2))  # [Bd, H, D]
+    for p in meta.prefills:
+        qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.mask is None:
+            k = k_new[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]
+            v = v_new[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)
+            o = sdpa(qp, k, v, None, scale, causal=True)
+        else:
+            ctx = p.mask.shape[1]
+            k = k_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            v = v_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+            o = sdpa(qp, k, v, p.mask, scale)
+        outs.append(o.squeeze(0).transpose(0, 1))  # [n, H, D]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

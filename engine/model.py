@@ -1,0 +1,158 @@
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2) over a flattened mixed batch with paged KV.
+
+One forward takes ``T`` tokens from many sequences at once — prefill chunks and decode tokens side by
+side — with their absolute positions, writes their K/V into the paged cache and attends through block
+tables (`engine.attention`). Shapes in comments: T tokens, H query heads, KVH KV heads, D head dim.
+q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs are what eager CPU
+inference is bound by.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model_config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Per-pair rotation frequencies, with linear or Llama-3 (wavelength-banded) scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face convention) from a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        if self.cos.device.type != "meta":
+            self.init_tables(self.cos.device)
+
+    def init_tables(self, device: torch.device) -> None:
+        """(Re)computes the cos/sin tables in float64 → fp32, e.g. after building on the meta device."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)  # [P, D/2]
+        self.cos = freqs.cos().float().to(device)
+        self.sin = freqs.sin().float().to(device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, heads, D]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rope = rope
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rope(q.view(t, self.num_heads, self.head_dim), meta.positions)  # [T, H, D]
+        k = self.rope(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)  # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]  # [num_blocks, block_size, KVH, D] views
+        write_kv(k_cache, v_cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids + positions of a flattened batch → hidden states; `compute_logits` on selected rows."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Fills the non-checkpoint buffers (RoPE tables); needed after building on the meta device."""
+        self.layers[0].self_attn.rope.init_tables(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, meta, kv_cache[:, i])
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] → [S, V] fp32
+        return self.lm_head(self.norm(hidden)).float()

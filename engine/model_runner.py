@@ -1,0 +1,163 @@
+"""`ModelRunner`: turns a `SchedulerOutput` into one forward over the paged KV cache and samples.
+
+It owns the model, the KV cache tensor and the sampler; it reads token ids and block tables from the
+scheduled requests and returns the sampled token of every request whose step reached its last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from core.request import RequestId
+from core.step_scheduler import ScheduledRequest, SchedulerOutput
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig
+from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Block-major: one block of one request (all layers, K and V) is one contiguous run of bytes."""
+    return (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """The result of one step: a token (and logprobs if asked) per request that sampled."""
+
+    sampled: dict[RequestId, int] = field(default_factory=dict)
+    logprobs: dict[RequestId, TokenLogprobs] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # [S, V], rows in `sampled` order; only when asked (tests)
+
+
+class ModelRunner:
+    """Runs steps of a `LlamaForCausalLM` against a block-major KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.block_size = block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_cache = torch.zeros(
+            kv_cache_shape(self.cfg, num_blocks, block_size), dtype=self.dtype, device=self.device
+        )
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, return_logits: bool = False) -> RunnerOutput:
+        input_ids, meta, sample_rows, samplers = self._prepare(out)
+        hidden = self.model(input_ids, meta, self.kv_cache)
+        result = RunnerOutput()
+        if not samplers:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [
+            SamplingRow(
+                params=r.params, seed=r.seed, prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids, eos_token_ids=r.eos_token_ids,
+            )
+            for r in (s.request for s in samplers)
+        ]
+        sampled = self.sampler(logits, rows)
+        for s, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
+            rid = s.request.request_id
+            result.sampled[rid] = token
+            if lp is not None:
+                result.logprobs[rid] = lp
+        if return_logits:
+            result.logits = logits
+        return result
+
+    def _prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[ScheduledRequest]]:
+        bs = self.block_size
+        window = self.cfg.sliding_window
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        chunks = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[ScheduledRequest] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        for s in decodes:
+            pos = s.start
+            ids.append(s.request.token_at(pos))
+            positions.append(pos)
+            ctx_lens.append(pos + 1)
+            tables.append(s.block_ids[: pos // bs + 1])
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+                samplers.append(s)
+        spans: list[PrefillSpan] = []
+        for s in chunks:
+            start, n = s.start, s.num_new_tokens
+            row0 = len(ids)
+            ids.extend(s.request.token_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            ctx = start + n
+            table = torch.tensor(s.block_ids[: (ctx + bs - 1) // bs], dtype=torch.long)
+            mask = None
+            if start > 0 or (window is not None and n > window):
+                q_pos = torch.arange(start, ctx).unsqueeze(1)
+                k_pos = torch.arange(ctx).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
+                mask = mask.to(self.device)
+            spans.append(PrefillSpan(row0, row0 + n, start, table.to(self.device), mask))
+            if s.samples:
+                sample_rows.append(row0 + n - 1)
+                samplers.append(s)
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        all_tables = [s.block_ids for s in decodes] + [s.block_ids for s in chunks]
+        pairs = _seq_positions(decodes, chunks)
+        slot_blocks = torch.tensor([all_tables[i][p // bs] for i, p in pairs], dtype=torch.long)
+        meta = AttentionMetadata(
+            positions=pos_t.to(self.device),
+            slot_blocks=slot_blocks.to(self.device),
+            slot_offsets=(pos_t % bs).to(self.device),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=_pad_tables(tables).to(self.device),
+            decode_mask=_decode_mask(ctx_lens, tables, bs, window).to(self.device),
+            prefills=spans,
+        )
+        if self.device.type == "cuda":  # the Triton kernel takes the unified form
+            meta.block_tables = _pad_tables(all_tables).to(self.device)
+            meta.token_seq_ids = torch.tensor([i for i, _ in pairs], dtype=torch.int32, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return input_ids, meta, sample_rows, samplers
+
+
+def _seq_positions(
+    decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
+) -> list[tuple[int, int]]:
+    """(sequence index, absolute position) of every token, in batch order."""
+    pairs = [(i, s.start) for i, s in enumerate(decodes)]
+    for j, s in enumerate(chunks):
+        pairs.extend((len(decodes) + j, p) for p in range(s.start, s.start + s.num_new_tokens))
+    return pairs
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
+
+
+def _decode_mask(ctx_lens: list[int], tables: list[list[int]], bs: int, window: int | None) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0) * bs
+    k_pos = torch.arange(width).unsqueeze(0)  # [1, L]
+    ctx = torch.tensor(ctx_lens, dtype=torch.long).unsqueeze(1)  # [Bd, 1]
+    mask = k_pos < ctx
+    if window is not None:
+        mask &= k_pos > ctx - 1 - window
+    return mask.view(len(ctx_lens), 1, 1, width)

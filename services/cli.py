@@ -1,0 +1,37 @@
+"""The `baton` command: one entry point, a subcommand per job (more arrive with the services)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from core.errors import ServingError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton", description="Baton LLM inference server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log lifecycle events to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from engine import cli as engine_cli
+
+    engine_cli.add_generate_parser(sub)
+    engine_cli.add_prepare_model_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args))
+    except ServingError as e:
+        print(f"baton: error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

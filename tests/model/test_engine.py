@@ -1,0 +1,167 @@
+"""The engine end to end on a tiny model: batch invariance, preemption, abort, stops, the offline API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import InvalidRequest, ModelLoadError
+from core.sampling_params import SamplingParams
+from engine import LLM
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.model
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 380, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_batch_invariance_16_requests(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20)
+    batch = random_prompts(16)
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(16)]
+    together = llm.generate(batch, params)
+    for p, sp, out in zip(batch, params, together, strict=True):
+        alone = llm.generate([p], sp)[0]
+        assert alone.token_ids == out.token_ids
+        assert len(out.token_ids) == sp.max_tokens
+
+
+def test_seeded_sampling_is_batch_independent(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20)
+    batch = random_prompts(8, seed=1)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(8)]
+    together = llm.generate(batch, params)
+    assert llm.generate([batch[3]], params[3])[0].token_ids == together[3].token_ids
+    assert llm.generate(batch[::-1], params[::-1])[4].token_ids == together[3].token_ids
+
+
+def test_preemption_keeps_greedy_outputs_and_leaks_nothing(tiny_llama: Path) -> None:
+    batch = random_prompts(12, seed=2)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    big = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(batch, params)
+
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block_size * kv_heads * head_dim * fp32
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=16 * block_bytes, max_model_len=256))
+    assert engine.kv.num_blocks == 16, "16 blocks of 16 tokens: far too few for 12 requests at once"
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        engine.scheduler.check_integrity()
+    assert engine.scheduler.num_preemptions > 0
+    assert [done[f"r{i}"] for i in range(12)] == [o.token_ids for o in big]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "blocks leaked"
+
+
+def test_abort_frees_blocks_and_reports(tiny_llama: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=8 << 20))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("keep", [5, 6, 7], params)
+    engine.add_request("drop", list(range(3, 40)), params)
+    engine.step()
+    engine.step()
+    assert engine.kv.block_ids("drop")
+    assert engine.abort_request("drop")
+    assert not engine.kv.block_ids("drop"), "blocks are freed at the step boundary"
+    outs = engine.step()
+    dropped = [o for o in outs if o.request_id == "drop"]
+    assert dropped and dropped[0].finish_reason == "abort"
+    assert not engine.abort_request("drop"), "abort is idempotent"
+    while engine.has_unfinished:
+        engine.step()
+    engine.scheduler.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_stop_strings_and_stop_tokens(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), kv_cache_memory=8 << 20)
+    prompt = [10, 20, 30, 40]
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    text = free_run.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    incl = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                 include_stop_str_in_output=True))[0]
+    assert incl.text == text[: text.index(stop) + len(stop)]
+    # Streaming never shows a partial stop string.
+    streamed = "".join(o.new_text for o in llm.stream(prompt, SamplingParams(
+        max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])))
+    assert streamed == out.text
+    tok = free_run.token_ids[5]
+    by_id = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[tok]))[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == tok
+    assert by_id.token_ids == free_run.token_ids[: free_run.token_ids.index(tok) + 1]
+    length = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert length.finish_reason == "length" and len(length.token_ids) == 3
+
+
+def test_min_tokens_blocks_eos(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), kv_cache_memory=8 << 20)
+    prompt = [10, 20, 30, 40]
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    eos = free_run.token_ids[2]  # pretend an early greedy token is a stop token
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, min_tokens=6, temperature=0.0,
+                                                 stop_token_ids=[eos]))[0]
+    assert len(out.token_ids) >= 6
+    assert eos not in out.token_ids[:5]
+
+
+def test_chat_and_stream_api(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), kv_cache_memory=8 << 20)
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    expected = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    deltas = list(llm.stream("Hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    assert deltas[-1].finished and "".join(d.new_text for d in deltas) == deltas[-1].text
+    with pytest.raises(InvalidRequest):
+        llm.chat([], SamplingParams())
+
+
+def test_invalid_requests_are_clear_errors(tiny_llama: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=8 << 20, max_model_len=128))
+    with pytest.raises(InvalidRequest, match="exceeds the context"):
+        engine.add_request("long", list(range(3, 120)), SamplingParams(max_tokens=64))
+    with pytest.raises(InvalidRequest, match="token ids"):
+        engine.add_request("bad", [1, 2, 10**9], SamplingParams())
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.add_request("bad2", [1, 2], SamplingParams(stop_token_ids=[10**6]))
+    with pytest.raises(InvalidRequest):
+        SamplingParams(temperature=-1)
+    assert not engine.has_unfinished
+
+
+def test_model_load_errors_name_the_problem(tmp_path: Path, tiny_llama: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.name != "model.safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLMEngine(EngineConfig(model=str(broken)))
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        LLMEngine(EngineConfig(model=str(broken)))
+    with pytest.raises(ModelLoadError, match="max_model_len"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20, max_model_len=100_000))
