@@ -67,30 +67,33 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [T, heads, D]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] for a step's positions — once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [T, heads, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rope = rope
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(q.view(t, self.num_heads, self.head_dim), meta.positions)  # [T, H, D]
-        k = self.rope(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)  # [T, KVH, D]
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)  # [T, H, D]
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]  # [num_blocks, block_size, KVH, D] views
         write_kv(k_cache, v_cache, k, v, meta.slot_blocks, meta.slot_offsets)
@@ -111,15 +114,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, kv_layer)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv_layer, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -129,11 +133,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -141,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_buffers(self, device: torch.device) -> None:
         """Fills the non-checkpoint buffers (RoPE tables); needed after building on the meta device."""
-        self.layers[0].self_attn.rope.init_tables(device)
+        self.rope.init_tables(device)
 
     def forward(
         self,
@@ -150,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(meta.positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta, kv_cache[:, i])
+            x = layer(x, meta, kv_cache[:, i], rope)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] → [S, V] fp32
