@@ -38,7 +38,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] long
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [Bd, max_blocks] long (padded with block 0)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool
+    decode_bias: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] additive: 0 attend, -inf masked
     prefills: list[PrefillSpan]
     # The unified form used by the GPU kernel (every token: its sequence and that sequence's table).
     block_tables: torch.Tensor | None = None  # [S, max_blocks]
@@ -90,6 +90,17 @@ def write_kv(
     v_cache[slot_blocks, slot_offsets] = v
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, KVH, D] (strided) × [B, n] block ids → [B, n * bs, KVH, D] contiguous.
+
+    ``index_select`` on the flattened table, not advanced indexing: on CPU it is ~7x faster for this
+    gather (a straight block copy instead of the generic index kernel).
+    """
+    b, n = block_tables.shape
+    out = cache.index_select(0, block_tables.reshape(-1))  # [B * n, bs, KVH, D]
+    return out.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
          causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads; q [B,H,Lq,D], k/v [B,KVH,Lk,D]."""
@@ -117,10 +128,12 @@ def paged_attention(
     outs: list[torch.Tensor] = []
     nd = meta.num_decode_tokens
     if nd:
-        bt = meta.decode_block_tables
-        k = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [Bd, KVH, L, D]
-        v = v_cache[bt].flatten(1, 2).transpose(1, 2)
-        outs.append(sdpa(q[:nd].unsqueeze(2), k, v, meta.decode_mask, scale).squeeze(2))  # [Bd, H, D]
+        k = gather_blocks(k_cache, meta.decode_block_tables)  # [Bd, L, KVH, D]
+        v = gather_blocks(v_cache, meta.decode_block_tables)
+        # [Bd, H, 1, D] x [Bd, KVH, L, D] (strided views): torch's fused CPU kernel beat explicit
+        # matmul formulations here, which must copy the gathered K/V into a head-major layout.
+        o = sdpa(q[:nd].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), meta.decode_bias, scale)
+        outs.append(o.squeeze(2))  # [Bd, H, D]
     for p in meta.prefills:
         qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.mask is None:
@@ -129,8 +142,9 @@ def paged_attention(
             o = sdpa(qp, k, v, None, scale, causal=True)
         else:
             ctx = p.mask.shape[1]
-            k = k_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            v = v_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+            table = p.block_table.unsqueeze(0)
+            k = gather_blocks(k_cache, table)[:, :ctx].transpose(1, 2)  # [1, KVH, ctx, D]
+            v = gather_blocks(v_cache, table)[:, :ctx].transpose(1, 2)
             o = sdpa(qp, k, v, p.mask, scale)
         outs.append(o.squeeze(0).transpose(0, 1))  # [n, H, D]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
