@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from core.errors import InvalidRequest
 from core.sampling_params import SamplingParams
@@ -50,8 +50,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(Sequence[Message], messages)]
+        else:
+            conversations = list(cast(Sequence[Sequence[Message]], messages))
+        prompts: list[Prompt] = [self.tokenizer.encode_chat(list(c)) for c in conversations]
         return self.generate(prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -77,8 +80,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if not items:
         raise InvalidRequest("no prompts given")
     if all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [cast(list[int], items)]  # one prompt given as token ids
+    return cast(list[Prompt], items)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

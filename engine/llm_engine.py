@@ -168,6 +168,8 @@ class LLMEngine:
             state.logprobs.append(result.logprobs[rid])
         stopped_by_token = request.finish_reason is FinishReason.STOP and request.stop_reason == token
         delta = "" if stopped_by_token else state.detok.add([token])
+        if request.is_finished:
+            delta += state.detok.flush()  # a character left incomplete at the end shows as U+FFFD
         if state.matcher is not None:
             delta, hit = state.matcher.feed(delta)
             if hit and not request.is_finished:
