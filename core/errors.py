@@ -73,3 +73,19 @@ class Unavailable(ServingError):
     grpc_code = "UNAVAILABLE"
     http_status = 503
     error_type = "unavailable"
+
+
+class KVTransferFailed(ServingError):
+    """Moving KV blocks between workers failed or timed out; the caller may retry with a new prefill."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+    error_type = "kv_transfer_failed"
+
+
+class KVIncompatible(ServingError):
+    """Two workers' KV caches do not match (model version, dtype, block size, layout…): never transfer."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 500
+    error_type = "kv_incompatible"

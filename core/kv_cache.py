@@ -77,6 +77,7 @@ class KVCacheManager:
         self._req_blocks: dict[RequestId, list[BlockId]] = {}
         self._req_num_hashed: dict[RequestId, int] = {}  # leading blocks already registered/verified
         self._req_hashes: dict[RequestId, list[BlockHash]] = {}
+        self._pinned: dict[str, list[BlockId]] = {}  # lease id → blocks kept for a KV transfer
 
     # ------------------------------------------------------------------ queries
     @property
@@ -207,6 +208,9 @@ class KVCacheManager:
         table = self._req_blocks.pop(rid, [])
         self._req_num_hashed.pop(rid, None)
         self._req_hashes.pop(rid, None)
+        self._release(table)
+
+    def _release(self, table: list[BlockId]) -> None:
         for b in reversed(table):
             self._ref_count[b] -= 1
             assert self._ref_count[b] >= 0, f"block {b} freed more often than referenced"
@@ -215,6 +219,31 @@ class KVCacheManager:
                     self._cached[b] = None
                 else:
                     self._free.append(b)
+
+    def pin(self, request: Request, lease_id: str) -> list[BlockId]:
+        """Moves a request's blocks to a lease: they stay referenced (and readable by a peer) after
+        the request itself is gone, until ``unpin``. Used by a prefill worker for the KV handoff."""
+        if lease_id in self._pinned:
+            raise ValueError(f"lease {lease_id!r} already pins blocks")
+        rid = request.request_id
+        blocks = self._req_blocks.pop(rid, [])
+        self._req_num_hashed.pop(rid, None)
+        self._req_hashes.pop(rid, None)
+        self._pinned[lease_id] = blocks
+        return list(blocks)
+
+    def unpin(self, lease_id: str) -> int:
+        """Releases a lease's blocks (idempotent); returns how many blocks it held."""
+        blocks = self._pinned.pop(lease_id, [])
+        self._release(blocks)
+        return len(blocks)
+
+    def pinned_blocks(self, lease_id: str) -> list[BlockId]:
+        return list(self._pinned.get(lease_id, []))
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(b) for b in self._pinned.values())
 
     def reset_prefix_cache(self) -> None:
         """Drops every evictable cached block (e.g. after a model version change)."""
@@ -245,10 +274,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Raises AssertionError unless free + cached + used == total and all indexes agree."""
         refs = [0] * self.num_blocks
-        for table in self._req_blocks.values():
+        for table in [*self._req_blocks.values(), *self._pinned.values()]:
             for b in table:
                 refs[b] += 1
-        assert refs == self._ref_count, "reference counts disagree with the block tables"
+        assert refs == self._ref_count, "reference counts disagree with the block tables and leases"
         free, cached = set(self._free), set(self._cached)
         used = {b for b in range(self.num_blocks) if refs[b] > 0}
         assert len(free) == len(self._free), "a block is twice in the free list"

@@ -122,10 +122,21 @@ class StepScheduler:
             self.waiting.remove(request)
         else:
             return
+        if request.kv_lease_id is not None and reason is not FinishReason.ABORT:
+            self.kv.pin(request, request.kv_lease_id)  # a peer will pull these blocks; see kv_transfer
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+
+    def add_running(self, request: Request) -> None:
+        """Admits a request whose KV is already in its blocks (pulled from a prefill worker): it joins
+        the running batch directly, with ``num_computed_tokens`` set by the caller."""
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
 
     @property
     def has_unfinished(self) -> bool:

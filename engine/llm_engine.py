@@ -6,14 +6,18 @@ Single-threaded by design (a worker runs it on its own engine thread). ``step()`
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from core.errors import InvalidRequest, ModelLoadError
+from core.errors import CapacityExceeded, InvalidRequest, KVTransferFailed, ModelLoadError, ServingError
 from core.kv_cache import KVCacheManager
 from core.request import FinishReason, Request, RequestId, RequestStatus
 from core.sampling_params import SamplingParams
@@ -27,6 +31,14 @@ from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def model_digest(model_dir: Path) -> str:
+    """A cheap identity of a checkpoint: its config plus the names and sizes of its weight files."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass(slots=True)
@@ -43,10 +55,30 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: ServingError | None = None  # set when the request ended because of an error
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class PendingPull(Protocol):
+    """A KV pull in flight (see kv_transfer): ``poll()`` is True when done, raises on failure."""
+
+    def poll(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+
+StartPull = Callable[[list[int], list[int]], PendingPull]  # (source blocks, local blocks) → pull
+
+
+@dataclass(slots=True)
+class _Transfer:
+    request: Request
+    pull: PendingPull
+    deadline: float
+    num_blocks: int  # blocks pulled (those not already in the local prefix cache)
 
 
 @dataclass(slots=True)
@@ -95,6 +127,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.model_config.eos_token_ids)))
         self._states: dict[RequestId, _OutputState] = {}
         self._aborted: list[RequestOutput] = []
+        self._transfers: dict[RequestId, _Transfer] = {}
         self._seed_rng = random.Random(config.seed)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
@@ -109,33 +142,118 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
+        kv_lease_id: str | None = None,
     ) -> Request:
-        """Tokenizes and queues a request; raises InvalidRequest if it cannot ever be served."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        """Tokenizes and queues a request; raises InvalidRequest if it cannot ever be served.
+
+        With ``kv_lease_id`` (a prefill for a handoff) the request's blocks are pinned under that lease
+        when it finishes, for a decode worker to pull; ``unpin_lease`` frees them.
+        """
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
+        request = self._new_request(request_id, token_ids, params, cache_salt)
+        request.kv_lease_id = kv_lease_id
+        self.scheduler.add_request(request)
+        self._track(request)
+        return request
+
+    def add_transferred_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        source_block_ids: Sequence[int],
+        start_pull: StartPull,
+        timeout_s: float = 10.0,
+        cache_salt: str = "",
+    ) -> int:
+        """Continues a request prefilled elsewhere: allocates blocks for its prompt, reuses what the
+        local prefix cache already holds, and starts pulling only the missing blocks. The request
+        joins the batch once the pull lands (polled each step); a failed or timed-out pull ends it
+        with a `KVTransferFailed` error and frees its blocks. Returns the number of blocks pulled."""
+        request = self._new_request(request_id, self._check_ids([*prompt_token_ids, first_token]), params, cache_salt)
+        request.prompt_token_ids.pop()
+        if request.request_id in self.scheduler.requests or request.request_id in self._transfers:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        request.output_token_ids.append(first_token)
+        n_prompt = request.num_prompt_tokens
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt + max_tokens exceeds the context of {self.max_model_len} tokens")
+        n_blocks = -(-n_prompt // self.kv.block_size)
+        if len(source_block_ids) < n_blocks:
+            raise InvalidRequest(f"the handle holds {len(source_block_ids)} blocks, the prompt needs {n_blocks}")
+        hit = self.kv.find_prefix(request)
+        hit.block_ids = hit.block_ids[:n_blocks]
+        hit.num_tokens = min(hit.num_tokens, n_prompt)
+        if not self.kv.can_allocate(request, n_prompt - hit.num_tokens, hit):
+            raise CapacityExceeded("not enough free KV blocks to receive this request", retry_after_s=0.5)
+        self.kv.allocate(request, n_prompt - hit.num_tokens, hit)
+        request.num_cached_tokens = hit.num_tokens
+        local = list(self.kv.block_ids(request.request_id))
+        skip = len(hit.block_ids)
+        try:
+            pull = start_pull(list(source_block_ids[skip:n_blocks]), local[skip:n_blocks])
+        except BaseException:
+            self.kv.free(request)
+            raise
+        self._transfers[request.request_id] = _Transfer(request, pull, time.monotonic() + timeout_s, n_blocks - skip)
+        self._track(request)
+        return n_blocks - skip
+
+    def kv_layout_fields(self) -> dict[str, object]:
+        """What a peer's KV cache must match (see kv_transfer.KVLayout): model, dtype and geometry."""
+        cfg = self.model_config
+        return {
+            "model_digest": model_digest(self.model_dir),
+            "dtype": str(self.runner.kv_cache.dtype).removeprefix("torch."),
+            "block_size": self.kv.block_size,
+            "num_layers": cfg.num_layers,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+        }
+
+    def pinned_blocks(self, lease_id: str) -> list[int]:
+        return list(self.kv.pinned_blocks(lease_id))
+
+    def unpin_lease(self, lease_id: str) -> int:
+        """Frees the blocks a finished handoff prefill pinned (idempotent); returns how many."""
+        return self.kv.unpin(lease_id)
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        return list(ids)
+
+    def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, salt: str) -> Request:
         params.validate_for_vocab(self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        request = Request(
+        return Request(
             request_id=RequestId(request_id), prompt_token_ids=token_ids, params=params, seed=seed,
-            eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, cache_salt=salt, max_model_len=self.max_model_len,
         )
-        self.scheduler.add_request(request)
+
+    def _track(self, request: Request) -> None:
+        params = request.params
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._states[request.request_id] = _OutputState(
-            detok=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+            detok=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
             matcher=matcher,
             logprobs=[] if params.logprobs is not None else None,
         )
-        return request
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request at this step boundary and frees its blocks; its final output (finish_reason
         "abort") comes with the next ``step()``. Returns False if the id is unknown or finished."""
+        transfer = self._transfers.pop(RequestId(request_id), None)
+        if transfer is not None:
+            transfer.pull.cancel()
+            self.kv.free(transfer.request)
+            transfer.request.status = RequestStatus.FINISHED
+            transfer.request.finish_reason = FinishReason.ABORT
+            state = self._states.pop(transfer.request.request_id)
+            self._aborted.append(self._make_output(transfer.request, state, "", []))
+            return True
         request = self.scheduler.abort(RequestId(request_id))
         state = self._states.pop(RequestId(request_id), None)
         if request is None or state is None:
@@ -145,11 +263,13 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._aborted)
+        return self.scheduler.has_unfinished or bool(self._aborted) or bool(self._transfers)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        if self._transfers:
+            outputs += self._poll_transfers()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -159,6 +279,35 @@ class LLMEngine:
             if s.request.request_id in result.sampled:
                 outputs.append(self._postprocess(s.request, result))
         return outputs
+
+    def _poll_transfers(self) -> list[RequestOutput]:
+        failed: list[RequestOutput] = []
+        now = time.monotonic()
+        for rid, t in list(self._transfers.items()):
+            error: ServingError | None = None
+            try:
+                done = t.pull.poll()
+            except KVTransferFailed as e:
+                done, error = False, e
+            if not done and error is None and now > t.deadline:
+                t.pull.cancel()
+                error = KVTransferFailed(f"KV transfer of {t.num_blocks} blocks timed out")
+            if done:
+                del self._transfers[rid]
+                r = t.request
+                r.num_computed_tokens = r.num_prompt_tokens
+                self.kv.cache_full_blocks(r, r.num_computed_tokens)
+                self.scheduler.add_running(r)
+            elif error is not None:
+                del self._transfers[rid]
+                self.kv.free(t.request)
+                t.request.status = RequestStatus.FINISHED
+                t.request.finish_reason = FinishReason.ABORT
+                out = self._make_output(t.request, self._states.pop(rid), "", [])
+                out.error = error
+                log.warning("request %s: %s", rid, error.message)
+                failed.append(out)
+        return failed
 
     def _postprocess(self, request: Request, result: RunnerOutput) -> RequestOutput:
         rid = request.request_id

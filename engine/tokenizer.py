@@ -282,7 +282,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Build the tokenizer a GGUF file carries (see `engine.gguf_convert.read_gguf_metadata`)."""
+        """Build the tokenizer a GGUF file carries (see `engine.gguf_reader.read_gguf_metadata`)."""
         return cls(build_gguf_tokenizer(metadata), TokenizerConfig.from_hf(gguf_tokenizer_config(metadata)))
 
     def _resolve(self, token: str | None, what: str) -> int | None:

@@ -15,7 +15,6 @@ from safetensors import safe_open
 from core.errors import ModelLoadError
 from engine import gguf_convert
 from engine.gguf_convert import (
-    GGUFFile,
     convert_gguf_to_hf_dir,
     default_gguf_path,
     default_model_dir,
@@ -23,6 +22,7 @@ from engine.gguf_convert import (
     prepare_default_model,
     unpermute_qk,
 )
+from engine.gguf_reader import GGUFFile
 from engine.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

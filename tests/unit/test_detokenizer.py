@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from core.errors import ModelLoadError
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.gguf_convert import default_gguf_path, read_gguf_metadata
+from engine.gguf_convert import default_gguf_path
+from engine.gguf_reader import read_gguf_metadata
 from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit

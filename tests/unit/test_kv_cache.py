@@ -108,6 +108,7 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = KVCacheManager(num_blocks=24, block_size=BS)
         self.live: dict[str, Request] = {}
+        self.leases: list[str] = []
         self.n = 0
 
     @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=20), salt=st.sampled_from(["", "t1"]))
@@ -151,6 +152,24 @@ class CacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.kv.free(self.live.pop(rid))
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def pin_for_transfer(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live.pop(rid)
+        blocks = self.kv.pin(r, f"lease-{rid}")
+        assert blocks and not self.kv.block_ids(r.request_id)
+        self.kv.free(r)  # the request ends; its blocks stay pinned under the lease
+        self.leases.append(f"lease-{rid}")
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        lease = data.draw(st.sampled_from(self.leases))
+        self.leases.remove(lease)
+        assert self.kv.unpin(lease) > 0
+        assert self.kv.unpin(lease) == 0, "unpin is idempotent"
+
     @rule()
     def reset(self) -> None:
         self.kv.reset_prefix_cache()
@@ -165,6 +184,8 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for r in self.live.values():
             self.kv.free(r)
+        for lease in self.leases:
+            self.kv.unpin(lease)
         self.kv.check_integrity()
         assert self.kv.num_free_blocks == self.kv.num_blocks, "blocks leaked"
 

@@ -12,7 +12,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from core.errors import InvalidRequest, ModelLoadError
-from engine.gguf_convert import default_gguf_path, read_gguf_metadata
+from engine.gguf_convert import default_gguf_path
+from engine.gguf_reader import read_gguf_metadata
 from engine.tokenizer import Tokenizer, TokenizerConfig, build_gguf_tokenizer, gguf_tokenizer_config
 
 pytestmark = pytest.mark.unit
