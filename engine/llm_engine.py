@@ -182,6 +182,26 @@ class LLMEngine:
         n_blocks = -(-n_prompt // self.kv.block_size)
         if len(source_block_ids) < n_blocks:
             raise InvalidRequest(f"the handle holds {len(source_block_ids)} blocks, the prompt needs {n_blocks}")
+        self._track(request)
+        state = self._states[request.request_id]
+        # The first token's text was streamed by the prefill side: it becomes context here (and may
+        # hold back the start of a stop string), it is not emitted again.
+        state.text = state.detok.add([first_token])
+        if state.matcher is not None:
+            state.text, hit_stop = state.matcher.feed(state.text)
+            if hit_stop:
+                del self._states[request.request_id]
+                raise InvalidRequest("the first token already completes a stop string: nothing to decode")
+        try:
+            return self._start_transfer(request, n_prompt, n_blocks, source_block_ids, start_pull, timeout_s)
+        except BaseException:
+            del self._states[request.request_id]
+            raise
+
+    def _start_transfer(
+        self, request: Request, n_prompt: int, n_blocks: int, source_block_ids: Sequence[int],
+        start_pull: StartPull, timeout_s: float,
+    ) -> int:
         hit = self.kv.find_prefix(request)
         hit.block_ids = hit.block_ids[:n_blocks]
         hit.num_tokens = min(hit.num_tokens, n_prompt)
@@ -197,7 +217,6 @@ class LLMEngine:
             self.kv.free(request)
             raise
         self._transfers[request.request_id] = _Transfer(request, pull, time.monotonic() + timeout_s, n_blocks - skip)
-        self._track(request)
         return n_blocks - skip
 
     def kv_layout_fields(self) -> dict[str, object]:
@@ -321,8 +340,11 @@ class LLMEngine:
             delta += state.detok.flush()  # a character left incomplete at the end shows as U+FFFD
         if state.matcher is not None:
             delta, hit = state.matcher.feed(delta)
-            if hit and not request.is_finished:
-                self.scheduler.finish(request, FinishReason.STOP)
+            if hit:
+                if request.is_finished:  # it also hit max_tokens: the stop string is the reason
+                    request.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(request, FinishReason.STOP)
                 request.stop_reason = state.matcher.stop_string
             elif request.is_finished and not hit:
                 delta += state.matcher.flush()

@@ -1,0 +1,196 @@
+"""TCP backend: a portable fallback with no native dependency.
+
+The source runs one small server thread (blocked in ``accept``/``recv`` when idle, so it costs no CPU)
+that streams the requested block runs straight from the cache tensor's memory; the puller receives
+them with ``recv_into`` straight into its own blocks, in a background thread, and then sends the
+lease's release on the same connection. Notifications land in a queue the engine loop drains.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from core.errors import KVTransferFailed
+from kv_transfer.handle import KVLayout, block_runs
+from kv_transfer.transport import NOTIFY_RELEASE, PeerHeader, pack_metadata, unpack_metadata
+
+_IO_TIMEOUT_S = 10.0
+
+
+def _send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg).encode()
+    sock.sendall(struct.pack("<I", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("the peer closed the connection mid-transfer")
+        view = view[got:]
+
+
+def _recv_msg(sock: socket.socket) -> dict[str, Any]:
+    (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+    result: dict[str, Any] = json.loads(_recv_exact(sock, n))
+    return result
+
+
+def _byte_view(cache: torch.Tensor) -> memoryview:
+    return memoryview(cache.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+
+
+class _TcpPull:
+    def __init__(self, target: Any) -> None:
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(target,), daemon=True, name="kv-tcp-pull")
+        self._cancelled = False
+        self._thread.start()
+
+    def _run(self, target: Any) -> None:
+        try:
+            target(lambda: self._cancelled)
+        except BaseException as e:  # surfaced by poll() on the engine thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def poll(self) -> bool:
+        if not self._done.is_set():
+            return False
+        if self._error is not None:
+            raise KVTransferFailed(f"TCP KV pull failed: {self._error}") from self._error
+        return True
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
+class TcpTransport:
+    """Serves this worker's blocks on ``host:port`` and pulls peers' blocks over plain sockets."""
+
+    def __init__(self, name: str, layout: KVLayout, host: str = "127.0.0.1") -> None:
+        self.name = name
+        self.layout = layout
+        self._cache: torch.Tensor | None = None
+        self._peers: dict[str, PeerHeader] = {}
+        self._notes: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._server = socket.create_server((host, 0))
+        bound_host, bound_port = self._server.getsockname()[:2]
+        self.address = f"{bound_host}:{bound_port}"
+        self._closed = False
+        threading.Thread(target=self._serve, daemon=True, name="kv-tcp-server").start()
+
+    def register(self, kv_cache: torch.Tensor) -> None:
+        if not kv_cache.is_contiguous() or kv_cache.is_cuda:
+            raise ValueError("the tcp KV transport needs one contiguous host tensor")
+        self._cache = kv_cache
+
+    def metadata(self) -> bytes:
+        cache = self._require_cache()
+        return pack_metadata(PeerHeader("tcp", self.name, self.layout, 0, cache.shape[0], self.address))
+
+    def add_peer(self, metadata: bytes) -> str:
+        header, _ = unpack_metadata(metadata)
+        if header.backend != "tcp":
+            raise KVTransferFailed(f"peer {header.name} speaks {header.backend!r}, not tcp")
+        self.layout.check_compatible(header.layout)
+        self._peers[header.name] = header
+        return header.name
+
+    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> _TcpPull:
+        header = self._peers.get(peer)
+        if header is None:
+            raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")
+        if max(src_blocks, default=-1) >= header.num_blocks:
+            raise KVTransferFailed(f"block id out of range for peer {peer}")
+        dst = _byte_view(self._require_cache())
+        bb = self.layout.block_bytes
+        runs = block_runs(src_blocks, dst_blocks)
+
+        def pull(cancelled: Any) -> None:
+            host, port = header.address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_S) as sock:
+                _send_msg(sock, {"op": "read", "runs": [[s, n] for s, _, n in runs]})
+                for _, d, n in runs:
+                    if cancelled():
+                        raise KVTransferFailed("pull cancelled")
+                    _recv_into(sock, dst[d * bb : (d + n) * bb])
+                _send_msg(sock, {"op": "notify", "kind": NOTIFY_RELEASE, "lease": lease_id})
+                _recv_msg(sock)  # ack: the source has queued the release
+
+        return _TcpPull(pull)
+
+    def notify(self, peer: str, kind: str, lease_id: str) -> None:
+        header = self._peers.get(peer)
+        if header is None:
+            raise KVTransferFailed(f"unknown KV peer {peer!r}")
+        host, port = header.address.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_S) as sock:
+                _send_msg(sock, {"op": "notify", "kind": kind, "lease": lease_id})
+                _recv_msg(sock)
+        except OSError as e:
+            raise KVTransferFailed(f"could not notify {peer}: {e}") from e
+
+    def poll_notifications(self) -> list[tuple[str, str]]:
+        out = []
+        while True:
+            try:
+                out.append(self._notes.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+    # ------------------------------------------------------------------ the source side
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True, name="kv-tcp-conn").start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(_IO_TIMEOUT_S)
+        with conn:
+            try:
+                while True:
+                    msg = _recv_msg(conn)
+                    if msg["op"] == "read":
+                        src = _byte_view(self._require_cache())
+                        bb = self.layout.block_bytes
+                        num_blocks = self._require_cache().shape[0]
+                        runs = [(int(s), int(n)) for s, n in msg["runs"]]
+                        if any(s < 0 or n < 1 or s + n > num_blocks for s, n in runs):
+                            return  # a malformed request: drop the connection, the puller fails fast
+                        for s, n in runs:
+                            conn.sendall(src[s * bb : (s + n) * bb])
+                    elif msg["op"] == "notify":
+                        self._notes.put((str(msg["kind"]), str(msg["lease"])))
+                        _send_msg(conn, {"ok": True})
+                        return
+            except (OSError, ValueError, KeyError, struct.error):
+                return  # the puller went away; its lease expires on its own
+
+    def _require_cache(self) -> torch.Tensor:
+        if self._cache is None:
+            raise RuntimeError("register() the KV cache first")
+        return self._cache

@@ -1,0 +1,110 @@
+"""The `KVTransport` seam: how a decode worker pulls KV blocks from a prefill worker's cache.
+
+Every backend moves whole blocks of the block-major cache (one block = all layers, K and V, one
+contiguous run of ``KVLayout.block_bytes``), merged into runs of adjacent blocks. The pulling side
+starts a pull and polls it from its engine loop (no thread spins); the source side learns that a
+lease is done from ``poll_notifications`` and unpins its blocks.
+
+Backends: ``nixl`` (one-sided RDMA READ via NIXL/UCX; host memory on CPU, VRAM on GPU), ``tcp``
+(portable, no native dependency). ``make_transport("auto", …)`` picks NIXL when it imports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+
+from kv_transfer.handle import KVLayout
+
+log = logging.getLogger(__name__)
+
+NOTIFY_RELEASE = "release"  # the pull finished: the source may free the lease's blocks
+NOTIFY_ABORT = "abort"  # the pulling side gave up (abort, timeout): free them too
+
+
+def encode_notification(kind: str, lease_id: str) -> bytes:
+    return f"{kind}:{lease_id}".encode()
+
+
+def decode_notification(msg: bytes) -> tuple[str, str]:
+    kind, _, lease = msg.decode(errors="replace").partition(":")
+    return kind, lease
+
+
+class PendingPull(Protocol):
+    """A pull in flight. ``poll()`` is True once every byte has landed; it raises KVTransferFailed on error."""
+
+    def poll(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+
+class KVTransport(Protocol):
+    """One worker's end of KV transfer; ``metadata()`` is what its peers need to pull from it."""
+
+    name: str
+    layout: KVLayout
+
+    def register(self, kv_cache: torch.Tensor) -> None: ...
+
+    def metadata(self) -> bytes: ...
+
+    def add_peer(self, metadata: bytes) -> str: ...
+
+    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> PendingPull: ...
+
+    def notify(self, peer: str, kind: str, lease_id: str) -> None: ...
+
+    def poll_notifications(self) -> list[tuple[str, str]]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHeader:
+    """The part of every backend's metadata that is not backend-specific."""
+
+    backend: str
+    name: str
+    layout: KVLayout
+    base: int  # address of block 0 (nixl) or 0
+    num_blocks: int
+    address: str = ""  # host:port for tcp
+
+
+def pack_metadata(header: PeerHeader, blob: bytes = b"") -> bytes:
+    head = json.dumps({**asdict(header), "layout": asdict(header.layout)}).encode()
+    return struct.pack("<I", len(head)) + head + blob
+
+
+def unpack_metadata(data: bytes) -> tuple[PeerHeader, bytes]:
+    (n,) = struct.unpack_from("<I", data, 0)
+    raw = json.loads(data[4 : 4 + n])
+    raw["layout"] = KVLayout(**raw["layout"])
+    return PeerHeader(**raw), data[4 + n :]
+
+
+def make_transport(kind: str, name: str, layout: KVLayout) -> KVTransport:
+    """``auto`` = nixl when it imports, else tcp."""
+    if kind == "auto":
+        try:
+            import nixl._api  # noqa: F401
+        except Exception as e:  # ImportError, or a broken native library
+            log.info("nixl unavailable (%s); using the tcp KV transport", e)
+            kind = "tcp"
+        else:
+            kind = "nixl"
+    if kind == "nixl":
+        from kv_transfer.nixl_transport import NixlTransport
+
+        return NixlTransport(name, layout)
+    if kind == "tcp":
+        from kv_transfer.tcp_transport import TcpTransport
+
+        return TcpTransport(name, layout)
+    raise ValueError(f"unknown KV transport {kind!r} (auto, nixl, tcp)")
