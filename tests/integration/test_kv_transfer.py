@@ -4,6 +4,7 @@ doing both. Real processes, real NIXL (UCX over loopback/cma) and real sockets; 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -184,5 +185,101 @@ def test_default_model_one_prompt_over_nixl() -> None:
         assert out.token_ids == expected.token_ids
         assert "Paris" in out.text
         assert prefill.wait_all_free()["pinned"] == 0
+    finally:
+        prefill.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lease_expires_when_the_decode_side_never_pulls(tiny_llama: Path, backend: str) -> None:
+    prefill = PrefillProcess(str(tiny_llama), backend, lease_ttl_s=0.5)
+    try:
+        _, handle = prefill.prefill("orphan", list(range(3, 60)), SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(handle.block_ids) == 4
+        stats = prefill.wait_all_free(timeout_s=10)
+        assert stats["pinned"] == 0 and stats["free"] == stats["total"]
+        assert stats["expired"] == 1 and stats["released"] == 0
+    finally:
+        prefill.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_source_killed_before_the_pull_fails_cleanly(tiny_llama: Path, backend: str) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill = PrefillProcess(str(tiny_llama), backend)
+    engine, handoff = decode_engine(str(tiny_llama), backend)
+    handoff.add_peer(prefill.metadata)
+    ids = list(range(3, 60))
+    token, handle = prefill.prefill("k", ids, params)
+    prefill.proc.kill()  # SIGKILL: no goodbye, no release
+    prefill.proc.join(10)
+    t0 = time.monotonic()
+    try:
+        handoff.start("k", ids, token, handle, params, timeout_s=3.0)
+    except Exception as e:  # refusing at once is also a clean failure
+        assert type(e).__name__ == "KVTransferFailed"
+    else:
+        out = run_until_done(engine, ["k"], timeout_s=30)["k"]
+        assert out.error is not None and type(out.error).__name__ == "KVTransferFailed"
+        assert out.finish_reason == "abort"
+    assert time.monotonic() - t0 < 3.0 + 2.0, "the failure must come within the configured timeout"
+    engine.scheduler.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "the decode side leaked blocks"
+
+
+def test_abort_during_transfer_frees_both_sides(tiny_llama: Path) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill = PrefillProcess(str(tiny_llama), "tcp")
+    try:
+        engine, handoff = decode_engine(str(tiny_llama), "tcp")
+        handoff.add_peer(prefill.metadata)
+        ids = list(range(3, 90))
+        token, handle = prefill.prefill("x", ids, params)
+        handoff.start("x", ids, token, handle, params)
+        assert handoff.abort("x")
+        assert not engine.kv.block_ids("x")
+        outs = engine.step()
+        assert [o.finish_reason for o in outs if o.request_id == "x"] == ["abort"]
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        stats = prefill.wait_all_free()
+        assert stats["pinned"] == 0 and stats["free"] == stats["total"]
+    finally:
+        prefill.stop()
+
+
+def test_incompatible_peers_are_rejected_with_a_clear_message(tiny_llama: Path) -> None:
+    from core.errors import KVIncompatible
+
+    prefill = PrefillProcess(str(tiny_llama), "tcp")
+    try:
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_MEMORY, block_size=32))
+        handoff = DecodeHandoff(engine, make_transport("tcp", "decode-bs32", kv_layout(engine)))
+        with pytest.raises(KVIncompatible, match="block_size"):
+            handoff.add_peer(prefill.metadata)
+        token, handle = prefill.prefill("c", list(range(3, 40)), SamplingParams(max_tokens=2))
+        with pytest.raises(KVIncompatible, match="compatibility hash"):
+            handoff.start("c", list(range(3, 40)), token, handle, SamplingParams(max_tokens=2))
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        prefill.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_idle_worker_with_the_transport_up_does_not_spin(tiny_llama: Path, backend: str) -> None:
+    prefill = PrefillProcess(str(tiny_llama), backend)
+    try:
+        prefill.prefill("warm", list(range(3, 40)), SamplingParams(max_tokens=2))  # transport fully up
+        time.sleep(0.5)
+        before, t0 = _cpu_seconds(prefill.proc.pid), time.monotonic()
+        time.sleep(3.0)
+        used = _cpu_seconds(prefill.proc.pid) - before
+        share = used / (time.monotonic() - t0)
+        print(f"idle {backend} worker CPU: {share:.2%} of a core")
+        # A spinning progress thread would read ~1.0 (a whole core); polling every 5 ms costs ~0.01.
+        assert share < 0.05, f"idle {backend} worker used {share:.1%} of a core"
     finally:
         prefill.stop()
