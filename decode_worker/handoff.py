@@ -32,7 +32,7 @@ class DecodeHandoff:
         self.engine = engine
         self.transport = transport
         self._handles: dict[str, KVHandle] = {}
-        transport.register(engine.runner.kv_cache)
+        engine.runner.kv_cache = transport.register(engine.runner.kv_cache)
 
     def add_peer(self, metadata: bytes) -> str:
         return self.transport.add_peer(metadata)

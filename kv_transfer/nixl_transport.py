@@ -65,11 +65,12 @@ class NixlTransport:
         self._cache: torch.Tensor | None = None
         self._peers: dict[str, PeerHeader] = {}
 
-    def register(self, kv_cache: torch.Tensor) -> None:
+    def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be one contiguous tensor")
         self._cache = kv_cache
         self._agent.register_memory(self._agent.get_reg_descs([kv_cache]))
+        return kv_cache
 
     def metadata(self) -> bytes:
         cache = self._require_cache()

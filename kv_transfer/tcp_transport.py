@@ -19,7 +19,7 @@ import torch
 
 from core.errors import KVTransferFailed
 from kv_transfer.handle import KVLayout, block_runs
-from kv_transfer.transport import NOTIFY_RELEASE, PeerHeader, pack_metadata, unpack_metadata
+from kv_transfer.transport import NOTIFY_RELEASE, PeerHeader, ThreadPull, pack_metadata, unpack_metadata
 
 _IO_TIMEOUT_S = 10.0
 
@@ -53,33 +53,6 @@ def _byte_view(cache: torch.Tensor) -> memoryview:
     return memoryview(cache.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
-class _TcpPull:
-    def __init__(self, target: Any) -> None:
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(target,), daemon=True, name="kv-tcp-pull")
-        self._cancelled = False
-        self._thread.start()
-
-    def _run(self, target: Any) -> None:
-        try:
-            target(lambda: self._cancelled)
-        except BaseException as e:  # surfaced by poll() on the engine thread
-            self._error = e
-        finally:
-            self._done.set()
-
-    def poll(self) -> bool:
-        if not self._done.is_set():
-            return False
-        if self._error is not None:
-            raise KVTransferFailed(f"TCP KV pull failed: {self._error}") from self._error
-        return True
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-
 class TcpTransport:
     """Serves this worker's blocks on ``host:port`` and pulls peers' blocks over plain sockets."""
 
@@ -95,10 +68,11 @@ class TcpTransport:
         self._closed = False
         threading.Thread(target=self._serve, daemon=True, name="kv-tcp-server").start()
 
-    def register(self, kv_cache: torch.Tensor) -> None:
+    def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
         if not kv_cache.is_contiguous() or kv_cache.is_cuda:
             raise ValueError("the tcp KV transport needs one contiguous host tensor")
         self._cache = kv_cache
+        return kv_cache
 
     def metadata(self) -> bytes:
         cache = self._require_cache()
@@ -112,7 +86,7 @@ class TcpTransport:
         self._peers[header.name] = header
         return header.name
 
-    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> _TcpPull:
+    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> ThreadPull:
         header = self._peers.get(peer)
         if header is None:
             raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")
@@ -133,7 +107,7 @@ class TcpTransport:
                 _send_msg(sock, {"op": "notify", "kind": NOTIFY_RELEASE, "lease": lease_id})
                 _recv_msg(sock)  # ack: the source has queued the release
 
-        return _TcpPull(pull)
+        return ThreadPull(pull, "kv-tcp-pull")
 
     def notify(self, peer: str, kind: str, lease_id: str) -> None:
         header = self._peers.get(peer)

@@ -5,7 +5,8 @@ contiguous run of ``KVLayout.block_bytes``), merged into runs of adjacent blocks
 starts a pull and polls it from its engine loop (no thread spins); the source side learns that a
 lease is done from ``poll_notifications`` and unpins its blocks.
 
-Backends: ``nixl`` (one-sided RDMA READ via NIXL/UCX; host memory on CPU, VRAM on GPU), ``tcp``
+Backends: ``nixl`` (one-sided RDMA READ via NIXL/UCX; host memory on CPU, VRAM on GPU), ``shm``
+(same host: the source's cache lives in shared memory, the puller copies from a mapping), ``tcp``
 (portable, no native dependency). ``make_transport("auto", …)`` picks NIXL when it imports.
 """
 
@@ -14,11 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
 
+from core.errors import KVTransferFailed
 from kv_transfer.handle import KVLayout
 
 log = logging.getLogger(__name__)
@@ -44,13 +48,47 @@ class PendingPull(Protocol):
     def cancel(self) -> None: ...
 
 
+class ThreadPull:
+    """A pull done by a background thread (tcp, shm): the copy runs off the engine thread and
+    ``poll()`` only looks at an event. ``work(cancelled)`` should check ``cancelled()`` between runs."""
+
+    def __init__(self, work: Callable[[Callable[[], bool]], None], name: str) -> None:
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._cancelled = False
+        threading.Thread(target=self._run, args=(work,), daemon=True, name=name).start()
+
+    def _run(self, work: Callable[[Callable[[], bool]], None]) -> None:
+        try:
+            work(lambda: self._cancelled)
+        except BaseException as e:  # surfaced by poll() on the engine thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def poll(self) -> bool:
+        if not self._done.is_set():
+            return False
+        if self._error is not None:
+            if isinstance(self._error, KVTransferFailed):
+                raise self._error
+            raise KVTransferFailed(f"KV pull failed: {self._error}") from self._error
+        return True
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
 class KVTransport(Protocol):
     """One worker's end of KV transfer; ``metadata()`` is what its peers need to pull from it."""
 
     name: str
     layout: KVLayout
 
-    def register(self, kv_cache: torch.Tensor) -> None: ...
+    def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Registers the cache once at start-up; returns the tensor the cache must live in from now
+        on (the same one, or — for shm — a copy in shared memory)."""
+        ...
 
     def metadata(self) -> bytes: ...
 
@@ -74,7 +112,7 @@ class PeerHeader:
     layout: KVLayout
     base: int  # address of block 0 (nixl) or 0
     num_blocks: int
-    address: str = ""  # host:port for tcp
+    address: str = ""  # host:port (tcp), or the shared-memory file and notification socket (shm)
 
 
 def pack_metadata(header: PeerHeader, blob: bytes = b"") -> bytes:
@@ -90,7 +128,7 @@ def unpack_metadata(data: bytes) -> tuple[PeerHeader, bytes]:
 
 
 def make_transport(kind: str, name: str, layout: KVLayout) -> KVTransport:
-    """``auto`` = nixl when it imports, else tcp."""
+    """``auto`` = nixl when it imports, else tcp; ``shm`` only between processes on one host."""
     if kind == "auto":
         try:
             import nixl._api  # noqa: F401
@@ -107,4 +145,8 @@ def make_transport(kind: str, name: str, layout: KVLayout) -> KVTransport:
         from kv_transfer.tcp_transport import TcpTransport
 
         return TcpTransport(name, layout)
-    raise ValueError(f"unknown KV transport {kind!r} (auto, nixl, tcp)")
+    if kind == "shm":
+        from kv_transfer.shm_transport import ShmTransport
+
+        return ShmTransport(name, layout)
+    raise ValueError(f"unknown KV transport {kind!r} (auto, nixl, shm, tcp)")

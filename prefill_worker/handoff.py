@@ -32,7 +32,7 @@ class PrefillHandoff:
         self.leases: dict[str, float] = {}  # lease id → expiry (unix time)
         self.num_released = 0
         self.num_expired = 0
-        transport.register(engine.runner.kv_cache)
+        engine.runner.kv_cache = transport.register(engine.runner.kv_cache)
 
     def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = ""

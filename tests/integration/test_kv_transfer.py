@@ -23,7 +23,7 @@ from prefill_worker.handoff import kv_layout
 
 pytestmark = pytest.mark.integration
 
-BACKENDS = ["nixl", "tcp"]
+BACKENDS = ["nixl", "shm", "tcp"]
 KV_MEMORY = 8 << 20
 
 
@@ -48,6 +48,7 @@ def prefill_worker_main(model: str | None, backend: str, lease_ttl_s: float, con
                            "leases": len(handoff.leases), "released": handoff.num_released,
                            "expired": handoff.num_expired})
             elif cmd == "stop":
+                handoff.transport.close()
                 conn.send("bye")
                 return
         handoff.service()
