@@ -22,7 +22,7 @@ class _NothingToPull:
         return True
 
     def cancel(self) -> None:
-        pass
+        """Nothing is in flight."""
 
 
 class DecodeHandoff:

@@ -40,7 +40,7 @@ def hf_dir() -> Path:
     try:
         return prepare_default_model()
     except ModelLoadError as e:
-        pytest.skip(f"default model not installed: {e}")
+        pytest.fail(f"default model not installed (run make setup): {e}")
 
 
 @pytest.fixture(scope="module")

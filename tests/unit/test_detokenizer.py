@@ -24,7 +24,7 @@ def smollm() -> Tokenizer:
     try:
         return Tokenizer.from_gguf_metadata(read_gguf_metadata(default_gguf_path()))
     except ModelLoadError as e:
-        pytest.skip(f"default model not installed: {e}")
+        pytest.fail(f"default model not installed (run make setup): {e}")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def gguf_metadata() -> dict:
     try:
         return read_gguf_metadata(default_gguf_path())
     except ModelLoadError as e:
-        pytest.skip(f"default model not installed: {e}")
+        pytest.fail(f"default model not installed (run make setup): {e}")
 
 
 @pytest.fixture(scope="module")
