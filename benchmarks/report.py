@@ -59,12 +59,11 @@ class MachineInfo:
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    # No /proc/cpuinfo (not Linux): fall back to what the platform module knows.
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

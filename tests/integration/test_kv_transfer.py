@@ -3,6 +3,7 @@ doing both. Real processes, real NIXL (UCX over loopback/cma) and real sockets; 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -83,10 +84,9 @@ class PrefillProcess:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            try:
+            # A process that no longer answers is killed below; a polite stop is only a first try.
+            with contextlib.suppress(AssertionError, OSError, EOFError):
                 self.call("stop")
-            except (AssertionError, OSError, EOFError):
-                pass
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
