@@ -24,6 +24,9 @@ class _NothingToPull:
     def cancel(self) -> None:
         """Nothing is in flight."""
 
+    def settled(self) -> bool:
+        return True
+
 
 class DecodeHandoff:
     """Admits handed-off requests into one decode worker's engine."""

@@ -63,11 +63,14 @@ class RequestOutput:
 
 
 class PendingPull(Protocol):
-    """A KV pull in flight (see kv_transfer): ``poll()`` is True when done, raises on failure."""
+    """A KV pull in flight (see kv_transfer): ``poll()`` is True when done, raises on failure;
+    ``cancel()`` asks it to stop; ``settled()`` is True once no more bytes can land in its blocks."""
 
     def poll(self) -> bool: ...
 
     def cancel(self) -> None: ...
+
+    def settled(self) -> bool: ...
 
 
 StartPull = Callable[[list[int], list[int]], PendingPull]  # (source blocks, local blocks) → pull
@@ -128,6 +131,9 @@ class LLMEngine:
         self._states: dict[RequestId, _OutputState] = {}
         self._aborted: list[RequestOutput] = []
         self._transfers: dict[RequestId, _Transfer] = {}
+        # Blocks of cancelled or failed pulls that may still be written to: freed once settled, so a
+        # late write can never land in a block that another request already owns.
+        self._draining: list[tuple[str, PendingPull]] = []  # (private lease, pull)
         self._seed_rng = random.Random(config.seed)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
@@ -266,8 +272,7 @@ class LLMEngine:
         "abort") comes with the next ``step()``. Returns False if the id is unknown or finished."""
         transfer = self._transfers.pop(RequestId(request_id), None)
         if transfer is not None:
-            transfer.pull.cancel()
-            self.kv.free(transfer.request)
+            self._drop_pull(transfer.request, transfer.pull)
             transfer.request.status = RequestStatus.FINISHED
             transfer.request.finish_reason = FinishReason.ABORT
             state = self._states.pop(transfer.request.request_id)
@@ -282,11 +287,38 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._aborted) or bool(self._transfers)
+        return self.scheduler.has_unfinished or bool(self._aborted) or bool(self._transfers) or bool(self._draining)
+
+    @property
+    def num_draining_blocks(self) -> int:
+        """Blocks held back until a cancelled pull can no longer write to them."""
+        return sum(len(self.kv.pinned_blocks(lease)) for lease, _ in self._draining)
+
+    def _drop_pull(self, request: Request, pull: PendingPull) -> None:
+        """Ends a pull that will not be used. Its blocks move to a private lease (so the request id
+        is free for a retry at once) and return to the pool only when no byte can still land."""
+        pull.cancel()
+        if pull.settled():
+            self.kv.free(request)
+            return
+        lease = f"drain:{request.request_id}:{id(pull):x}"
+        self.kv.pin(request, lease)
+        self._draining.append((lease, pull))
+
+    def _free_settled(self) -> None:
+        still = []
+        for lease, pull in self._draining:
+            if pull.settled():
+                self.kv.unpin(lease)
+            else:
+                still.append((lease, pull))
+        self._draining = still
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        if self._draining:
+            self._free_settled()
         if self._transfers:
             outputs += self._poll_transfers()
         sched = self.scheduler.schedule()
@@ -309,7 +341,6 @@ class LLMEngine:
             except KVTransferFailed as e:
                 done, error = False, e
             if not done and error is None and now > t.deadline:
-                t.pull.cancel()
                 error = KVTransferFailed(f"KV transfer of {t.num_blocks} blocks timed out")
             if done:
                 del self._transfers[rid]
@@ -319,7 +350,7 @@ class LLMEngine:
                 self.scheduler.add_running(r)
             elif error is not None:
                 del self._transfers[rid]
-                self.kv.free(t.request)
+                self._drop_pull(t.request, t.pull)
                 t.request.status = RequestStatus.FINISHED
                 t.request.finish_reason = FinishReason.ABORT
                 out = self._make_output(t.request, self._states.pop(rid), "", [])

@@ -7,7 +7,7 @@ creation fails; ``add_remote_agent`` returns bytes while notification dicts are 
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 
 import torch
@@ -22,6 +22,8 @@ from kv_transfer.transport import (
     unpack_metadata,
 )
 
+log = logging.getLogger(__name__)
+
 
 class _NixlPull:
     def __init__(self, agent: object, handle: object) -> None:
@@ -31,7 +33,11 @@ class _NixlPull:
     def poll(self) -> bool:
         if self._done:
             return True
-        state = self._agent.check_xfer_state(self._handle)  # type: ignore[attr-defined]
+        try:
+            state = self._agent.check_xfer_state(self._handle)  # type: ignore[attr-defined]
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the source died mid-read
+            self._release()
+            raise KVTransferFailed(f"NIXL transfer failed: {type(e).__name__}: {e}") from e
         if state == "DONE":
             self._release()
             self._done = True
@@ -44,12 +50,30 @@ class _NixlPull:
     def cancel(self) -> None:
         self._release()
 
-    def _release(self) -> None:
+    def settled(self) -> bool:
+        """True once the transfer handle is released: NIXL refuses to release a READ still in
+        flight, so until then its blocks may still be written."""
         if self._handle is not None:
-            # A handle of a dead peer may refuse release; nothing else holds it, so drop it anyway.
-            with contextlib.suppress(Exception):
-                self._agent.release_xfer_handle(self._handle)  # type: ignore[attr-defined]
-            self._handle = None
+            self._release()
+        return self._handle is None
+
+    def _release(self) -> None:
+        if self._handle is None:
+            return
+        try:
+            self._agent.release_xfer_handle(self._handle)  # type: ignore[attr-defined]
+        except Exception as e:  # still in flight (NIXL_ERR_REPOST_ACTIVE-like) or a dead peer's handle
+            state = self._safe_state()
+            if state in ("PROC",):
+                return  # retried by settled() from the engine loop until the READ stops
+            log.debug("dropping a NIXL transfer handle in state %s: %s", state, e)
+        self._handle = None
+
+    def _safe_state(self) -> str:
+        try:
+            return str(self._agent.check_xfer_state(self._handle))  # type: ignore[attr-defined]
+        except Exception:
+            return "ERR"
 
 
 class NixlTransport:

@@ -8,6 +8,7 @@ lease's release on the same connection. Notifications land in a queue the engine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import socket
@@ -96,18 +97,36 @@ class TcpTransport:
         bb = self.layout.block_bytes
         runs = block_runs(src_blocks, dst_blocks)
 
+        live: list[socket.socket] = []
+
         def pull(cancelled: Any) -> None:
             host, port = header.address.rsplit(":", 1)
-            with socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_S) as sock:
-                _send_msg(sock, {"op": "read", "runs": [[s, n] for s, _, n in runs]})
-                for _, d, n in runs:
-                    if cancelled():
-                        raise KVTransferFailed("pull cancelled")
-                    _recv_into(sock, dst[d * bb : (d + n) * bb])
-                _send_msg(sock, {"op": "notify", "kind": NOTIFY_RELEASE, "lease": lease_id})
-                _recv_msg(sock)  # ack: the source has queued the release
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_S)
+            except OSError as e:
+                raise KVTransferFailed(f"cannot reach the KV source {peer} at {header.address}: {e}") from e
+            live.append(sock)
+            with sock:
+                if cancelled():
+                    raise KVTransferFailed("pull cancelled")
+                try:
+                    _send_msg(sock, {"op": "read", "runs": [[s, n] for s, _, n in runs]})
+                    for _, d, n in runs:
+                        if cancelled():
+                            raise KVTransferFailed("pull cancelled")
+                        _recv_into(sock, dst[d * bb : (d + n) * bb])
+                    _send_msg(sock, {"op": "notify", "kind": NOTIFY_RELEASE, "lease": lease_id})
+                    _recv_msg(sock)  # ack: the source has queued the release
+                except (OSError, ConnectionError) as e:
+                    why = "cancelled" if cancelled() else f"the KV source {peer} failed mid-transfer: {e}"
+                    raise KVTransferFailed(f"pull {why}") from e
 
-        return ThreadPull(pull, "kv-tcp-pull")
+        def interrupt() -> None:
+            for sock in live:  # wakes a recv blocked on a hung or dead source
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        return ThreadPull(pull, "kv-tcp-pull", interrupt)
 
     def notify(self, peer: str, kind: str, lease_id: str) -> None:
         header = self._peers.get(peer)

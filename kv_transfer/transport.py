@@ -41,21 +41,29 @@ def decode_notification(msg: bytes) -> tuple[str, str]:
 
 
 class PendingPull(Protocol):
-    """A pull in flight. ``poll()`` is True once every byte has landed; it raises KVTransferFailed on error."""
+    """A pull in flight. ``poll()`` is True once every byte has landed; it raises KVTransferFailed on
+    error. ``cancel()`` asks it to stop; ``settled()`` is True once no byte can land any more — only
+    then may the destination blocks be given to another request."""
 
     def poll(self) -> bool: ...
 
     def cancel(self) -> None: ...
 
+    def settled(self) -> bool: ...
+
 
 class ThreadPull:
     """A pull done by a background thread (tcp, shm): the copy runs off the engine thread and
-    ``poll()`` only looks at an event. ``work(cancelled)`` should check ``cancelled()`` between runs."""
+    ``poll()`` only looks at an event. ``work(cancelled)`` should check ``cancelled()`` between runs;
+    ``interrupt`` (if given) unblocks it from another thread, e.g. by shutting its socket down."""
 
-    def __init__(self, work: Callable[[Callable[[], bool]], None], name: str) -> None:
+    def __init__(
+        self, work: Callable[[Callable[[], bool]], None], name: str, interrupt: Callable[[], None] | None = None
+    ) -> None:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._cancelled = False
+        self._interrupt = interrupt
         threading.Thread(target=self._run, args=(work,), daemon=True, name=name).start()
 
     def _run(self, work: Callable[[Callable[[], bool]], None]) -> None:
@@ -77,6 +85,11 @@ class ThreadPull:
 
     def cancel(self) -> None:
         self._cancelled = True
+        if self._interrupt is not None and not self._done.is_set():
+            self._interrupt()
+
+    def settled(self) -> bool:
+        return self._done.is_set()
 
 
 class KVTransport(Protocol):

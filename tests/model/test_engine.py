@@ -165,3 +165,54 @@ def test_model_load_errors_name_the_problem(tmp_path: Path, tiny_llama: Path) ->
         LLMEngine(EngineConfig(model=str(broken)))
     with pytest.raises(ModelLoadError, match="max_model_len"):
         LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20, max_model_len=100_000))
+
+
+class _StuckPull:
+    """A pull whose copy thread is still writing after cancel (a transport-level double: the engine's
+    rule is tested here; the real transports' hung and killed sources are in tests/integration)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.stopped = False
+
+    def poll(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def settled(self) -> bool:
+        return self.stopped
+
+
+def test_blocks_of_a_cancelled_pull_are_not_reused_until_it_settles(tiny_llama: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20))
+    pull = _StuckPull()
+    ids = list(range(3, 67))  # 4 blocks
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    landed: list[int] = []
+
+    def start(src: list[int], dst: list[int]) -> _StuckPull:
+        landed.extend(dst)
+        return pull
+
+    assert engine.add_transferred_request("t", ids, 5, params, list(range(4)), start, timeout_s=0.05) == 4
+    total = engine.kv.num_blocks
+    engine.abort_request("t")
+    assert pull.cancelled
+    assert engine.num_draining_blocks == 4 and engine.kv.num_free_blocks == total - 4
+    engine.step()  # still writing: the blocks stay out of the pool
+    assert engine.num_draining_blocks == 4
+    # the request id is free for a retry at once, and it never gets the draining blocks
+    retry = _StuckPull()
+    got: list[int] = []
+    engine.add_transferred_request("t", ids, 5, params, list(range(4)), lambda s, d: got.extend(d) or retry)
+    assert not set(got) & set(landed)
+    pull.stopped = True
+    engine.step()
+    assert engine.num_draining_blocks == 0
+    engine.abort_request("t")
+    retry.stopped = True
+    engine.step()
+    engine.scheduler.check_integrity()
+    assert engine.kv.num_free_blocks == total
