@@ -7,9 +7,18 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.baton-installed
 PROMPT ?= The capital of France is
 
-.PHONY: setup model run test test-fast bench lint clean
+PROTO_SRC := $(wildcard proto/baton/v1/*.proto)
+PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py) $(PROTO_SRC:.proto=_pb2_grpc.py)
 
-setup: $(STAMP) model
+.PHONY: setup proto model run test test-fast bench lint clean
+
+setup: $(STAMP) proto model
+
+# The wire contract's Python code (messages, stubs, .pyi), generated next to the .proto files.
+proto: $(PROTO_GEN)
+
+$(PROTO_GEN) &: $(PROTO_SRC) proto/build.py $(STAMP)
+	$(PY) proto/build.py
 
 # torch first and pinned: an unpinned torch in a fresh venv pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml constraints.txt
@@ -31,15 +40,16 @@ run: setup
 test: setup
 	$(PY) -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) proto
 	$(PY) -m pytest -m unit
 
 bench: setup
 	$(PY) -m benchmarks.run
 
-lint: $(STAMP)
+lint: $(STAMP) proto
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -f proto/baton/v1/*_pb2*.py proto/baton/v1/*_pb2.pyi
