@@ -170,12 +170,12 @@ class KVCacheManager:
             self._req_num_hashed[rid] = len(hit.block_ids)
             num_computed += hit.num_tokens
         total = -(-(num_computed + num_new_tokens) // self.block_size)
-        new_blocks: list[BlockId] = []
-        while len(table) < total:
-            b = self._take_block()
+        # Ascending order: blocks evicted from the prefix cache come out tail first, and a request
+        # whose blocks are adjacent and ascending moves as one descriptor (kv_transfer.block_runs).
+        new_blocks = sorted(self._take_block() for _ in range(max(0, total - len(table))))
+        for b in new_blocks:
             self._ref_count[b] = 1
-            table.append(b)
-            new_blocks.append(b)
+        table.extend(new_blocks)
         return new_blocks
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -56,6 +56,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: ServingError | None = None  # set when the request ended because of an error
+    transfer_s: float = 0.0  # on the final output: how long its KV pull took (disaggregated only)
 
     @property
     def finished(self) -> bool:
@@ -82,6 +83,7 @@ class _Transfer:
     pull: PendingPull
     deadline: float
     num_blocks: int  # blocks pulled (those not already in the local prefix cache)
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -134,6 +136,7 @@ class LLMEngine:
         # Blocks of cancelled or failed pulls that may still be written to: freed once settled, so a
         # late write can never land in a block that another request already owns.
         self._draining: list[tuple[str, PendingPull]] = []  # (private lease, pull)
+        self._transfer_seconds: dict[RequestId, float] = {}  # landed pulls: start → landed
         self._seed_rng = random.Random(config.seed)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
@@ -236,6 +239,10 @@ class LLMEngine:
             "num_kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
         }
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._transfers)
 
     def pinned_blocks(self, lease_id: str) -> list[int]:
         return list(self.kv.pinned_blocks(lease_id))
@@ -344,6 +351,7 @@ class LLMEngine:
                 error = KVTransferFailed(f"KV transfer of {t.num_blocks} blocks timed out")
             if done:
                 del self._transfers[rid]
+                self._transfer_seconds[rid] = now - t.started
                 r = t.request
                 r.num_computed_tokens = r.num_prompt_tokens
                 self.kv.cache_full_blocks(r, r.num_computed_tokens)
@@ -401,4 +409,5 @@ class LLMEngine:
             stop_reason=request.stop_reason if finished else None,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
+            transfer_s=self._transfer_seconds.pop(request.request_id, 0.0) if finished else 0.0,
         )

@@ -13,7 +13,7 @@ import os
 import torch
 
 from core.errors import KVTransferFailed
-from kv_transfer.handle import KVLayout, block_runs
+from kv_transfer.handle import KVLayout, block_runs, check_block_ids
 from kv_transfer.transport import (
     PeerHeader,
     decode_notification,
@@ -90,6 +90,8 @@ class NixlTransport:
         self._peers: dict[str, PeerHeader] = {}
 
     def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self._cache is not None and kv_cache.data_ptr() == self._cache.data_ptr():
+            return self._cache  # already registered (a worker with both roles registers once)
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be one contiguous tensor")
         self._cache = kv_cache
@@ -117,8 +119,7 @@ class NixlTransport:
             raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")
         cache = self._require_cache()
         bb = self.layout.block_bytes
-        if max(src_blocks, default=-1) >= header.num_blocks:
-            raise KVTransferFailed(f"block id out of range for peer {peer}")
+        check_block_ids(src_blocks, dst_blocks, header.num_blocks, self._num_local_blocks(), peer)
         local, remote = [], []
         for s, d, n in block_runs(src_blocks, dst_blocks):
             local.append((cache.data_ptr() + d * bb, n * bb, 0))
@@ -157,3 +158,6 @@ class NixlTransport:
         if self._cache is None:
             raise RuntimeError("register() the KV cache first")
         return self._cache
+
+    def _num_local_blocks(self) -> int:
+        return 0 if self._cache is None else int(self._cache.shape[0])

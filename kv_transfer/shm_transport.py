@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from core.errors import KVTransferFailed
-from kv_transfer.handle import KVLayout, block_runs
+from kv_transfer.handle import KVLayout, block_runs, check_block_ids
 from kv_transfer.transport import (
     PeerHeader,
     ThreadPull,
@@ -74,6 +74,8 @@ class ShmTransport:
         self._peers: dict[str, tuple[PeerHeader, np.memmap[Any, Any]]] = {}
 
     def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self._cache is not None and kv_cache.data_ptr() == self._cache.data_ptr():
+            return self._cache  # already registered (a worker with both roles registers once)
         if kv_cache.is_cuda:
             raise ValueError("the shm KV transport serves host memory only")
         nbytes = kv_cache.numel() * kv_cache.element_size()
@@ -109,8 +111,7 @@ class ShmTransport:
         if entry is None:
             raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")
         header, src = entry
-        if max(src_blocks, default=-1) >= header.num_blocks:
-            raise KVTransferFailed(f"block id out of range for peer {peer}")
+        check_block_ids(src_blocks, dst_blocks, header.num_blocks, self._num_local_blocks(), peer)
         if self._cache is None:
             raise RuntimeError("register() the KV cache first")
         dst = self._cache.view(torch.uint8).reshape(-1).numpy()
@@ -156,3 +157,6 @@ class ShmTransport:
         for f in (self._file, self._sock_path):
             with contextlib.suppress(OSError):
                 f.unlink()
+
+    def _num_local_blocks(self) -> int:
+        return 0 if self._cache is None else int(self._cache.shape[0])

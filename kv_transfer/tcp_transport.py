@@ -19,8 +19,14 @@ from typing import Any
 import torch
 
 from core.errors import KVTransferFailed
-from kv_transfer.handle import KVLayout, block_runs
-from kv_transfer.transport import NOTIFY_RELEASE, PeerHeader, ThreadPull, pack_metadata, unpack_metadata
+from kv_transfer.handle import KVLayout, block_runs, check_block_ids
+from kv_transfer.transport import (
+    NOTIFY_RELEASE,
+    PeerHeader,
+    ThreadPull,
+    pack_metadata,
+    unpack_metadata,
+)
 
 _IO_TIMEOUT_S = 10.0
 
@@ -70,6 +76,8 @@ class TcpTransport:
         threading.Thread(target=self._serve, daemon=True, name="kv-tcp-server").start()
 
     def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self._cache is not None and kv_cache.data_ptr() == self._cache.data_ptr():
+            return self._cache  # already registered (a worker with both roles registers once)
         if not kv_cache.is_contiguous() or kv_cache.is_cuda:
             raise ValueError("the tcp KV transport needs one contiguous host tensor")
         self._cache = kv_cache
@@ -91,8 +99,7 @@ class TcpTransport:
         header = self._peers.get(peer)
         if header is None:
             raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")
-        if max(src_blocks, default=-1) >= header.num_blocks:
-            raise KVTransferFailed(f"block id out of range for peer {peer}")
+        check_block_ids(src_blocks, dst_blocks, header.num_blocks, self._num_local_blocks(), peer)
         dst = _byte_view(self._require_cache())
         bb = self.layout.block_bytes
         runs = block_runs(src_blocks, dst_blocks)
@@ -187,3 +194,6 @@ class TcpTransport:
         if self._cache is None:
             raise RuntimeError("register() the KV cache first")
         return self._cache
+
+    def _num_local_blocks(self) -> int:
+        return 0 if self._cache is None else int(self._cache.shape[0])

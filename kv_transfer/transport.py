@@ -100,7 +100,8 @@ class KVTransport(Protocol):
 
     def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Registers the cache once at start-up; returns the tensor the cache must live in from now
-        on (the same one, or — for shm — a copy in shared memory)."""
+        on (the same one, or — for shm — a copy in shared memory). Registering the returned tensor
+        again is a no-op."""
         ...
 
     def metadata(self) -> bytes: ...

@@ -44,6 +44,20 @@ def test_allocation_and_free_balance() -> None:
     kv.check_integrity()
 
 
+def test_blocks_taken_from_the_prefix_cache_come_ascending() -> None:
+    """Evicted blocks return tail first; one allocation still gets them in ascending order, so a
+    request's blocks merge into few transfer descriptors (kv_transfer.block_runs)."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    first = make_request("a", list(range(32)))  # fills all 8 blocks, all cached on free
+    run_prefill(kv, first)
+    kv.free(first)
+    second = make_request("b", list(range(100, 132)))  # evicts all 8
+    run_prefill(kv, second)
+    table = kv.block_ids(second.request_id)
+    assert table == sorted(table) and len(table) == 8
+    kv.check_integrity()
+
+
 def test_prefix_hit_reuses_blocks_and_leaves_last_token_to_compute() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     a = make_request("a", list(range(12)))

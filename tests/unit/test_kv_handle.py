@@ -42,3 +42,17 @@ def test_runs_cover_the_mapping_exactly(pairs: list[tuple[int, int]]) -> None:
     src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
     expanded = [(s + i, d + i) for s, d, n in block_runs(src, dst) for i in range(n)]
     assert expanded == list(zip(src, dst, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "match"),
+    [([0, 1], [0], "2 source blocks but 1"), ([-1], [0], "source block id"), ([8], [0], "source block id"),
+     ([0], [-2], "destination block id"), ([0], [4], "destination block id")],
+)
+def test_pull_block_ids_are_checked_on_both_sides(src: list[int], dst: list[int], match: str) -> None:
+    from core.errors import KVTransferFailed
+    from kv_transfer.handle import check_block_ids
+
+    with pytest.raises(KVTransferFailed, match=match):
+        check_block_ids(src, dst, 8, 4, "peer")
+    check_block_ids([0, 7], [0, 3], 8, 4, "peer")  # in range: no error
