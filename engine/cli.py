@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from engine.config import parse_bytes
+from core.units import parse_bytes
 
 
 def add_generate_parser(sub: Any) -> None:

@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_cli.add_generate_parser(sub)
     engine_cli.add_prepare_model_parser(sub)
+    from services import worker_config
+
+    worker_config.add_worker_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

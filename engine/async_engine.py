@@ -1,0 +1,180 @@
+"""`AsyncEngine`: one engine thread per worker, and the small object where asyncio code meets it.
+
+The engine (torch) runs only on its own thread; grpc.aio handlers run on the event loop. They meet
+here: commands go in through a thread-safe inbox (``call``), outputs come out through one bounded
+``OutputStream`` per request. The engine thread never blocks on a client: a stream that falls too far
+behind is ended with an error for that request alone, so a slow reader cannot stall the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from core.errors import CapacityExceeded, InvalidRequest, ServingError, Unavailable
+from engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+IDLE_WAIT_S = 0.05  # how often an idle engine thread runs its service hooks (lease expiry)
+TRANSFER_WAIT_S = 0.001  # the pause between polls while only KV pulls are in flight
+
+
+class OutputStream:
+    """A request's outputs, pushed by the engine thread and read on the event loop.
+
+    ``pending`` counts outputs pushed but not yet read; the engine thread reads it to detect a slow
+    reader (a plain int, written under the GIL by one thread each side)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
+        self.request_id = request_id
+        self.max_pending = max_pending
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.pushed = 0
+        self.taken = 0
+        self.closed = False
+
+    @property
+    def pending(self) -> int:
+        return self.pushed - self.taken
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread: queue an output (or the error that ends the stream)."""
+        self.pushed += 1
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> RequestOutput:
+        """Event loop: the next output; raises the error that ended the stream."""
+        item = await self._queue.get()
+        self.taken += 1
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class AsyncEngine:
+    """Owns the engine thread. ``service`` hooks run on it between steps and while idle."""
+
+    def __init__(self, engine: LLMEngine, max_pending_outputs: int = 256) -> None:
+        self.engine = engine
+        self.max_pending_outputs = max_pending_outputs
+        self.service_hooks: list[Callable[[], object]] = []
+        self._inbox: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, OutputStream] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.num_slow_reader_aborts = 0
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ the event-loop side
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` on the engine thread between two steps and returns its result."""
+        if self._stop:
+            raise Unavailable("the engine is shutting down")
+        fut: Future[T] = Future()
+        self._inbox.put((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    def post(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Queues ``fn(engine)`` without waiting for it: for cleanup from a handler being cancelled,
+        where awaiting is no longer possible."""
+        self._inbox.put((fn, Future()))
+        self._wake.set()
+
+    def open_stream(self, request_id: str) -> OutputStream:
+        """Registers where a request's outputs go; call before the request is added to the engine."""
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id {request_id!r} is already in use on this worker")
+        stream = OutputStream(request_id, asyncio.get_running_loop(), self.max_pending_outputs)
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.closed = True
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            self._drain_inbox()
+            for hook in self.service_hooks:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("engine service hook failed")
+            if not engine.has_unfinished:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug or a device error: fail every request, keep serving
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            self.num_steps += 1
+            for out in outputs:
+                self._deliver(out)
+            if not outputs and not engine.scheduler.has_unfinished:
+                self._wake.wait(TRANSFER_WAIT_S)  # only pulls in flight: poll them, don't spin
+                self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            if not out.finished:  # nobody listens (the caller went away): stop the work
+                self.engine.abort_request(out.request_id)
+            return
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        elif stream.pending >= stream.max_pending:
+            # A slow reader: end this request only. The engine never waits for a client.
+            self._streams.pop(out.request_id, None)
+            self.engine.abort_request(out.request_id)
+            self.num_slow_reader_aborts += 1
+            log.warning("request %s: client too slow (%d outputs unread); aborted", out.request_id, stream.pending)
+            stream.push(CapacityExceeded(
+                f"the client did not read {stream.pending} outputs in time; request aborted", retry_after_s=0.0))
+            return
+        stream.push(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        err = error if isinstance(error, ServingError) else ServingError("internal engine error")
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            stream.push(err)
+        self._streams.clear()
+

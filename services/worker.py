@@ -1,0 +1,311 @@
+"""The worker process: a grpc.aio server around one engine thread, serving `baton.v1.Worker` in the
+role prefill, decode or both (plus standard health checking and reflection).
+
+Prefill pins a request's KV blocks under a lease and returns the first token with a `KVHandle`;
+Decode pulls those blocks from the prefill worker named in the handle (fetching its transfer metadata
+over gRPC once) or prefills locally, then streams tokens. Cancelling a call aborts its request at the
+next step and frees its blocks; `Abort` does the same by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from core.errors import InvalidRequest, KVTransferFailed, ServingError
+from decode_worker.handoff import DecodeHandoff
+from engine.async_engine import AsyncEngine, OutputStream
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from kv_transfer.transport import KVTransport, make_transport
+from prefill_worker.handoff import PrefillHandoff, kv_layout
+from services.convert import FINISH_TO_PB, delta_to_pb, handle_from_pb, handle_to_pb, sampling_from_pb
+from services.status import abort_with
+from services.worker_config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ROLE_TO_PB = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
+         "both": worker_pb2.WORKER_ROLE_BOTH}
+METADATA_TIMEOUT_S = 5.0
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """`baton.v1.Worker` on one engine. Every engine access goes through the engine thread."""
+
+    def __init__(
+        self, config: WorkerConfig, aengine: AsyncEngine, transport: KVTransport, address: str,
+        prefill: PrefillHandoff | None, decode: DecodeHandoff | None,
+    ) -> None:
+        self.config = config
+        self.aengine = aengine
+        self.transport = transport
+        self.address = address
+        self.prefill = prefill
+        self.decode = decode
+        self.model_name = config.served_model_name or aengine.engine.model_dir.name
+        self._peers: dict[str, asyncio.Future[None]] = {}  # source address → metadata fetched
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[LLMEngine], T]) -> T:
+        try:
+            return await self.aengine.call(fn)
+        except ServingError as e:
+            await abort_with(context, e)
+            raise  # unreachable: abort raises
+
+    # ------------------------------------------------------------------ Prefill
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> worker_pb2.PrefillResponse:
+        handoff = self.prefill
+        if handoff is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker's role is {self.config.role}")
+        assert handoff is not None
+        rid, ids, params = await self._parse(context, request.request_id, request.prompt_token_ids, request.sampling)
+        t0 = time.monotonic()
+        stream = self.aengine.open_stream(rid)
+        done = False
+        try:
+            await self._call(context, lambda e: handoff.begin(rid, ids, params, request.cache_salt))
+            out = await self._final(stream)
+            handle = await self._call(context, lambda e: handoff.complete(rid, out))
+            done = True
+        except ServingError as e:
+            done = True
+            await abort_with(context, e)
+        finally:
+            self.aengine.close_stream(rid)
+            if not done:  # the caller went away mid-prefill: stop it and free its blocks
+                self.aengine.post(lambda e: handoff.abort(rid))
+        resp = worker_pb2.PrefillResponse(
+            first=delta_to_pb(out.token_ids[:1], out.text, out.logprobs),
+            usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1, cached_tokens=out.num_cached_tokens),
+            prefill_ms=(time.monotonic() - t0) * 1e3,
+        )
+        if handle is not None:
+            resp.handle.CopyFrom(handle_to_pb(handle))
+        else:
+            resp.finish_reason = FINISH_TO_PB[out.finish_reason or "length"]
+        return resp
+
+    async def _final(self, stream: OutputStream) -> RequestOutput:
+        while True:
+            out = await stream.get()
+            if out.finished:
+                return out
+
+    # ------------------------------------------------------------------ Decode
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        handoff = self.decode
+        if handoff is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker's role is {self.config.role}")
+        assert handoff is not None
+        rid, ids, params = await self._parse(context, request.request_id, request.prompt_token_ids, request.sampling)
+        t0 = time.monotonic()
+        stream = self.aengine.open_stream(rid)
+        finished = False
+        try:
+            if request.HasField("handle"):
+                await self._start_pull(context, handoff, rid, ids, request)
+            else:
+                await self._call(context, lambda e: e.add_request(rid, ids, params, cache_salt=request.cache_salt))
+            t_first: float | None = None
+            while not finished:
+                try:
+                    out = await stream.get()
+                except ServingError as e:
+                    finished = True  # the engine already ended it (slow reader)
+                    await abort_with(context, e)
+                if out.error is not None:
+                    finished = True
+                    if isinstance(out.error, KVTransferFailed) and request.HasField("handle"):
+                        self._peers.pop(request.handle.source, None)  # refetch its metadata next time
+                    await abort_with(context, out.error)
+                n_new = len(out.new_token_ids)
+                msg = worker_pb2.DecodeResponse(delta=delta_to_pb(
+                    out.new_token_ids, out.new_text, out.logprobs[-n_new:] if out.logprobs and n_new else None))
+                now = time.monotonic()
+                if t_first is None and n_new:
+                    t_first = now
+                if out.finished:
+                    finished = True
+                    msg.finish_reason = FINISH_TO_PB[out.finish_reason or "stop"]
+                    msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(out.token_ids),
+                                                        cached_tokens=out.num_cached_tokens))
+                    msg.transfer_ms = out.transfer_s * 1e3
+                    if not request.HasField("handle") and t_first is not None:
+                        msg.prefill_ms = (t_first - t0) * 1e3
+                    msg.decode_ms = (now - (t_first or now)) * 1e3
+                yield msg
+        finally:
+            self.aengine.close_stream(rid)
+            if not finished:  # cancelled, deadline passed or the client went away
+                self.aengine.post(lambda e: handoff.abort(rid))
+            self.aengine.post(lambda e: handoff.forget(rid))
+
+    async def _start_pull(self, context: grpc.aio.ServicerContext, handoff: DecodeHandoff, rid: str,
+                          ids: list[int], request: worker_pb2.DecodeRequest) -> None:
+        handle = handle_from_pb(request.handle) if request.handle.lease_id else None
+        if handle is None or not request.HasField("first_token"):
+            await abort_with(context, InvalidRequest("a handoff needs a complete KV handle and the first token"))
+        assert handle is not None
+        params = sampling_from_pb(request.sampling)
+        timeout = request.transfer_timeout_s or self.config.transfer_timeout_s
+        try:
+            await self._ensure_peer(handle.source)
+        except ServingError as e:
+            await abort_with(context, e)
+        await self._call(context, lambda e: handoff.start(
+            rid, ids, request.first_token, handle, params, timeout_s=timeout, cache_salt=request.cache_salt))
+
+    async def _ensure_peer(self, source: str) -> None:
+        """Fetches a prefill worker's transfer metadata once (concurrent requests share the fetch)."""
+        fut = self._peers.get(source)
+        if fut is None:
+            fut = self._peers[source] = asyncio.ensure_future(self._fetch_peer(source))
+        try:
+            await asyncio.shield(fut)
+        except BaseException:
+            if self._peers.get(source) is fut and fut.done():
+                del self._peers[source]
+            raise
+
+    async def _fetch_peer(self, source: str) -> None:
+        decode = self.decode
+        assert decode is not None
+        try:
+            async with grpc.aio.insecure_channel(source) as channel:
+                meta = await worker_pb2_grpc.WorkerStub(channel).TransferMetadata(
+                    worker_pb2.TransferMetadataRequest(), timeout=METADATA_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise KVTransferFailed(f"cannot fetch KV transfer metadata from {source}: {e.details()}") from e
+        await self.aengine.call(lambda e: decode.add_peer(meta.metadata))
+
+    # ------------------------------------------------------------------ Abort, Info, TransferMetadata
+    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> worker_pb2.AbortResponse:
+        rid = request.request_id
+
+        def abort(engine: LLMEngine) -> bool:
+            found = False
+            if self.prefill is not None:
+                found = self.prefill.abort(rid) or found
+            if self.decode is not None:
+                found = self.decode.abort(rid) or found
+            return found or engine.abort_request(rid)
+
+        return worker_pb2.AbortResponse(found=await self._call(context, abort))
+
+    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
+                   ) -> worker_pb2.InfoResponse:
+        def snapshot(engine: LLMEngine) -> worker_pb2.InfoResponse:
+            kv = engine.kv
+            return worker_pb2.InfoResponse(
+                role=ROLE_TO_PB[self.config.role], model=self.model_name, model_digest=self.transport.layout.model_digest,
+                max_model_len=engine.max_model_len, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+                num_pinned_blocks=kv.num_pinned_blocks, num_running=len(engine.scheduler.running),
+                num_waiting=len(engine.scheduler.waiting), num_transfers=engine.num_transfers,
+                num_leases=len(self.prefill.leases) if self.prefill is not None else 0,
+                block_size=kv.block_size, kv_backend=type(self.transport).__name__.removesuffix("Transport").lower(),
+                address=self.address,
+            )
+
+        return await self._call(context, snapshot)
+
+    async def TransferMetadata(self, request: worker_pb2.TransferMetadataRequest,
+                               context: grpc.aio.ServicerContext) -> worker_pb2.TransferMetadataResponse:
+        from services.convert import layout_to_pb
+
+        meta = await self._call(context, lambda e: self.transport.metadata())
+        layout = self.transport.layout
+        return worker_pb2.TransferMetadataResponse(
+            backend=type(self.transport).__name__.removesuffix("Transport").lower(), name=self.transport.name,
+            metadata=meta, compat_hash=layout.compat_hash, layout=layout_to_pb(layout))
+
+    # ------------------------------------------------------------------ input
+    async def _parse(self, context: grpc.aio.ServicerContext, rid: str, ids: Any, sampling: Any
+                     ) -> tuple[str, list[int], Any]:
+        try:
+            if not rid:
+                raise InvalidRequest("request_id is required")
+            if not ids:
+                raise InvalidRequest("prompt_token_ids must not be empty")
+            return rid, list(ids), sampling_from_pb(sampling)
+        except ServingError as e:
+            await abort_with(context, e)
+            raise
+
+
+@dataclass(slots=True)
+class WorkerServer:
+    """A running worker: its gRPC server, engine thread and transport."""
+
+    server: grpc.aio.Server
+    aengine: AsyncEngine
+    transport: KVTransport
+    health: HealthServicer
+    address: str
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        self.aengine.stop()
+        self.transport.close()
+
+
+async def serve_worker(config: WorkerConfig) -> WorkerServer:
+    """Loads the engine, binds the port, registers the KV cache, and starts serving (health SERVING)."""
+    engine_config = EngineConfig(model=config.model, kv_cache_memory=config.kv_cache_memory,
+                                 block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                                 num_threads=config.threads)
+    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, engine_config)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    address = f"{config.host}:{port}"
+    transport = make_transport(config.kv_transport, address, kv_layout(engine))
+    prefill = PrefillHandoff(engine, transport, config.lease_ttl_s) if config.role in ("prefill", "both") else None
+    decode = DecodeHandoff(engine, transport) if config.role in ("decode", "both") else None
+    aengine = AsyncEngine(engine, config.max_pending_outputs)
+    if prefill is not None:
+        aengine.service_hooks.append(prefill.service)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(config, aengine, transport, address, prefill, decode), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, "grpc.health.v1.Health",
+         reflection.SERVICE_NAME], server)
+    aengine.start()
+    await server.start()
+    for name in ("", "baton.v1.Worker"):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker ready: role=%s address=%s model=%s kv=%s", config.role, address, engine.model_dir,
+             type(transport).__name__)
+    return WorkerServer(server, aengine, transport, health, address)
+
+
+async def serve_until_signal(config: WorkerConfig) -> None:
+    """`baton worker`: serves until SIGINT or SIGTERM, then stops cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    worker = await serve_worker(config)
+    print(f"baton worker ({config.role}) serving on {worker.address}", flush=True)
+    await stop.wait()
+    log.info("worker %s stopping", worker.address)
+    await worker.stop()

@@ -1,0 +1,62 @@
+"""`WorkerConfig` and the `baton worker` flags — torch-free, so the launcher and the CLI stay light."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from core.units import parse_bytes
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker process. Field names are the `baton worker` flags."""
+
+    role: str = "both"
+    model: str | None = None  # None = the embedded default model
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port
+    kv_transport: str = "auto"  # auto, nixl, shm, tcp
+    kv_cache_memory: int = 256 << 20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    threads: int | None = None
+    lease_ttl_s: float = 30.0
+    transfer_timeout_s: float = 10.0
+    max_pending_outputs: int = 256  # unread outputs per request before it is ended as a slow reader
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+
+def add_worker_parser(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a prefill, decode or colocated worker (gRPC)")
+    p.add_argument("--role", choices=ROLES, default="both")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--lease-ttl-s", type=float, default=30.0)
+    p.add_argument("--transfer-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-pending-outputs", type=int, default=256)
+    p.set_defaults(func=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    names = WorkerConfig.__dataclass_fields__
+    config = WorkerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    from services.worker import serve_until_signal
+
+    asyncio.run(serve_until_signal(config))
+    return 0
