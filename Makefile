@@ -10,7 +10,7 @@ PROMPT ?= The capital of France is
 PROTO_SRC := $(wildcard proto/baton/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py) $(PROTO_SRC:.proto=_pb2_grpc.py)
 
-.PHONY: setup proto model run test test-fast bench lint clean
+.PHONY: setup proto model run generate test test-fast bench lint clean
 
 setup: $(STAMP) proto model
 
@@ -34,7 +34,12 @@ $(STAMP): pyproject.toml constraints.txt
 model: $(STAMP)
 	$(PY) -m engine.gguf_convert
 
+# The local cluster: gateway (gRPC :50051, OpenAI HTTP :8000), one prefill and one decode worker.
 run: setup
+	$(VENV)/bin/baton up $(UP_ARGS)
+
+# One completion offline, no servers: the engine alone.
+generate: setup
 	$(VENV)/bin/baton generate "$(PROMPT)" --max-tokens 32 --temperature 0
 
 test: setup

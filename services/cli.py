@@ -1,4 +1,4 @@
-"""The `baton` command: one entry point, a subcommand per job (more arrive with the services)."""
+"""The `baton` command: one entry point, a subcommand per job (generate, prepare-model, worker, gateway, up)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_cli.add_generate_parser(sub)
     engine_cli.add_prepare_model_parser(sub)
-    from services import worker_config
+    from services import gateway, launcher, worker_config
 
     worker_config.add_worker_parser(sub)
+    gateway.add_gateway_parser(sub)
+    launcher.add_up_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -1,0 +1,224 @@
+"""The gRPC `baton.v1.Gateway` service: Session (multiplexed), Generate (one stream), Cancel, ListModels.
+
+Proto types stop here: requests become `GenerationRequest`s for the `Dispatcher`, and its events
+(`Delta`, `Finished`, `ServingError`) become messages again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import grpc
+
+from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from core.errors import CapacityExceeded, InvalidRequest, ServingError
+from services.convert import FINISH_TO_PB, sampling_from_pb
+from services.dispatch import Dispatcher, GenerationRequest
+from services.request_stream import Delta, Finished, RequestStream
+from services.status import abort_with, as_serving_error, grpc_code
+
+log = logging.getLogger(__name__)
+
+SESSION_OUTBOX = 64  # responses a Session buffers for its client before its requests' streams back up
+
+
+def generation_from_pb(msg: gateway_pb2.GenerateRequest, timeout_s: float | None) -> GenerationRequest:
+    """A GenerateRequest as the Dispatcher's input; InvalidRequest for bad sampling values."""
+    which = msg.WhichOneof("input")
+    if which is None:
+        raise InvalidRequest("the request needs one of prompt, prompt_token_ids or messages")
+    messages = None
+    if which == "messages":
+        messages = tuple({"role": m.role, "content": m.content} for m in msg.messages.messages)
+    return GenerationRequest(
+        params=sampling_from_pb(msg.sampling),
+        prompt=msg.prompt if which == "prompt" else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+        messages=messages,
+        request_id=msg.request_id if msg.HasField("request_id") and msg.request_id else None,
+        model=msg.model,
+        timeout_s=timeout_s,
+        api="grpc",
+    )
+
+
+def delta_to_pb(delta: Delta) -> common_pb2.TokenDelta:
+    msg = common_pb2.TokenDelta(token_ids=delta.token_ids, text=delta.text)
+    for lp in delta.logprobs:
+        msg.logprobs.append(common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top))
+    return msg
+
+
+def completion_to_pb(finished: Finished) -> gateway_pb2.Completion:
+    u, t = finished.usage, finished.timings
+    return gateway_pb2.Completion(
+        finish_reason=FINISH_TO_PB.get(finished.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+        usage=common_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+        ),
+        timings=common_pb2.Timings(
+            queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms, decode_ms=t.decode_ms,
+            ttft_ms=t.ttft_ms, e2e_ms=t.e2e_ms,
+        ),
+        stop_reason=finished.stop_reason,
+    )
+
+
+def error_to_pb(error: ServingError) -> common_pb2.RequestError:
+    msg = common_pb2.RequestError(code=grpc_code(error).value[0], message=error.message)
+    if isinstance(error, CapacityExceeded):
+        msg.retry_after_s = error.retry_after_s
+    return msg
+
+
+def cancel_reason(context: grpc.aio.ServicerContext) -> str:
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= 0 else "client"
+
+
+class GatewaySession:
+    """One Session call: starts and cancels requests by id, fans their events into one outbox.
+
+    At most ``max_requests`` requests run at once in a session; more get RESOURCE_EXHAUSTED. The
+    outbox is bounded: a client that stops reading backs up its own requests' streams, which then
+    fail alone (see `RequestStream`).
+    """
+
+    def __init__(
+        self, dispatcher: Dispatcher, max_requests: int, time_remaining: Callable[[], float | None]
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._max_requests = max_requests
+        self._time_remaining = time_remaining  # the call's deadline applies to each of its requests
+        self._outbox: asyncio.Queue[gateway_pb2.SessionResponse | None] = asyncio.Queue(SESSION_OUTBOX)
+        self._streams: dict[str, RequestStream] = {}
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._reading = True
+        self._closed = False
+
+    async def read(self, requests: AsyncIterator[gateway_pb2.SessionRequest]) -> None:
+        try:
+            async for msg in requests:
+                action = msg.WhichOneof("action")
+                if action == "generate":
+                    await self._start(msg.generate)
+                elif action == "cancel":
+                    self._dispatcher.cancel(msg.cancel.request_id, "session")
+        finally:
+            self._reading = False
+            await self._end_if_idle()
+
+    async def responses(self) -> AsyncIterator[gateway_pb2.SessionResponse]:
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    def close(self, reason: str) -> None:
+        """The call ended: cancel what still runs."""
+        self._closed = True
+        for stream in list(self._streams.values()):
+            stream.cancel(reason)
+        for pump in self._pumps:
+            pump.cancel()
+
+    async def _start(self, msg: gateway_pb2.GenerateRequest) -> None:
+        rid = msg.request_id if msg.HasField("request_id") and msg.request_id else uuid.uuid4().hex
+        if len(self._streams) >= self._max_requests:
+            await self._send_error(rid, CapacityExceeded(
+                f"this session already runs {len(self._streams)} requests, the limit is {self._max_requests}",
+                retry_after_s=1.0,
+            ))
+            return
+        try:
+            request = replace(generation_from_pb(msg, self._time_remaining()), request_id=rid)
+            stream = self._dispatcher.submit(request)
+        except ServingError as e:
+            await self._send_error(rid, e)
+            return
+        self._streams[rid] = stream
+        pump = asyncio.get_running_loop().create_task(self._pump(stream))
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+
+    async def _pump(self, stream: RequestStream) -> None:
+        rid = stream.request_id
+        try:
+            async for event in stream:
+                if isinstance(event, Delta):
+                    await self._outbox.put(gateway_pb2.SessionResponse(request_id=rid, delta=delta_to_pb(event)))
+                else:
+                    await self._outbox.put(
+                        gateway_pb2.SessionResponse(request_id=rid, completion=completion_to_pb(event))
+                    )
+        except ServingError as e:
+            await self._send_error(rid, e)
+        except Exception as e:  # a bug must not take the other requests of the session down
+            await self._send_error(rid, as_serving_error(e))
+        finally:
+            self._streams.pop(rid, None)
+            if not self._closed:
+                await self._end_if_idle()
+
+    async def _send_error(self, rid: str, error: ServingError) -> None:
+        await self._outbox.put(gateway_pb2.SessionResponse(request_id=rid, error=error_to_pb(error)))
+
+    async def _end_if_idle(self) -> None:
+        if not self._reading and not self._streams and not self._closed:
+            self._closed = True
+            await self._outbox.put(None)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """baton.v1.Gateway over the `Dispatcher`."""
+
+    def __init__(self, dispatcher: Dispatcher, max_session_requests: int) -> None:
+        self._dispatcher = dispatcher
+        self._max_session_requests = max_session_requests
+
+    async def Session(  # noqa: N802 (gRPC method names)
+        self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.SessionResponse]:
+        session = GatewaySession(self._dispatcher, self._max_session_requests, context.time_remaining)
+        reader = asyncio.get_running_loop().create_task(session.read(request_iterator))
+        try:
+            async for msg in session.responses():
+                yield msg
+        finally:
+            reader.cancel()
+            session.close(cancel_reason(context))
+
+    async def Generate(  # noqa: N802
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        try:
+            stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining()))
+        except ServingError as e:
+            await abort_with(context, e)
+            return
+        rid = stream.request_id
+        try:
+            async for event in stream:
+                if isinstance(event, Delta):
+                    yield gateway_pb2.GenerateResponse(request_id=rid, delta=delta_to_pb(event))
+                else:
+                    yield gateway_pb2.GenerateResponse(request_id=rid, completion=completion_to_pb(event))
+        except ServingError as e:
+            await abort_with(context, e)
+        finally:
+            stream.cancel(cancel_reason(context))  # a no-op when it has ended
+
+    async def Cancel(  # noqa: N802
+        self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CancelResponse:
+        return gateway_pb2.CancelResponse(found=self._dispatcher.cancel(request.request_id, "cancel_rpc"))
+
+    async def ListModels(  # noqa: N802
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        model = self._dispatcher.model
+        return gateway_pb2.ListModelsResponse(
+            models=[gateway_pb2.Model(name=model.name, version=model.version, max_model_len=model.max_model_len)]
+        )

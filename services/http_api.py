@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API on aiohttp, in the gateway process and on its asyncio loop.
+
+POST /v1/completions, POST /v1/chat/completions (``stream: true`` as server-sent events), GET
+/v1/models, GET /health, GET /metrics. Every error is an OpenAI error body with its HTTP status (429
+with Retry-After). A client that closes its connection cancels its request downstream: the handler
+is cancelled (``handler_cancellation``) or its next write fails, and either way the stream is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from core.errors import CapacityExceeded, InvalidRequest, ServingError
+from services import metrics
+from services.dispatch import Dispatcher
+from services.openai_api import (
+    OpenAICall,
+    chunk_json,
+    error_json,
+    parse_chat,
+    parse_completion,
+    response_json,
+    usage_chunk_json,
+)
+from services.request_stream import Delta, Finished, RequestStream
+from services.status import as_serving_error
+from services.worker_clients import WorkerClients
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADERS = ("X-Request-Id", "Idempotency-Key")
+REQUEST_ID = web.RequestKey("request_id", str)  # set once the request is accepted, for error responses
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(error: ServingError, status: int | None = None, request_id: str | None = None) -> web.Response:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if isinstance(error, CapacityExceeded):
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    return web.json_response(error_json(error), status=status or error.http_status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as an OpenAI error body; unknown exceptions as a generic 500 (logged)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        error = InvalidRequest(e.text or e.reason)
+        error.error_type = _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "internal_error")
+        return error_response(error, status=e.status)
+    except ServingError as e:
+        return error_response(e, request_id=request.get(REQUEST_ID))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        return error_response(as_serving_error(e), request_id=request.get(REQUEST_ID))
+
+
+class HttpApi:
+    """The routes, over the same `Dispatcher` the gRPC API uses."""
+
+    def __init__(self, dispatcher: Dispatcher, workers: WorkerClients, worker_addresses: Sequence[str]) -> None:
+        self.dispatcher = dispatcher
+        self.workers = workers
+        self.worker_addresses = tuple(dict.fromkeys(worker_addresses))
+        self.created = int(time.time())
+
+    def app(self, max_request_bytes: int) -> web.Application:
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self.dispatcher.model
+        return web.json_response({"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": self.created, "owned_by": "baton",
+            "root": model.version, "max_model_len": model.max_model_len,
+        }]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when every worker answers Info, else 503; the body says which did not."""
+        problems = await self.workers.probe(self.worker_addresses)
+        ok = all(p is None for p in problems.values())
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": self.dispatcher.model.name,
+            "requests_in_flight": self.dispatcher.num_in_flight,
+            "workers": {a: "ok" if p is None else p for a, p in problems.items()},
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[[Any, str | None], OpenAICall]
+    ) -> web.StreamResponse:
+        body = await _read_json(request)
+        rid = next((request.headers[h] for h in REQUEST_ID_HEADERS if request.headers.get(h)), None)
+        call = parse(body, rid)
+        stream = self.dispatcher.submit(call.request)
+        request[REQUEST_ID] = stream.request_id
+        try:
+            if call.stream:
+                return await self._stream(request, call, stream)
+            return await self._collect(call, stream)
+        finally:
+            stream.cancel("disconnect")  # a no-op when it ended; the client went away otherwise
+
+    async def _collect(self, call: OpenAICall, stream: RequestStream) -> web.Response:
+        output = Delta([], "")
+        async for event in stream:
+            if isinstance(event, Delta):
+                output.extend(event)
+            else:
+                body = response_json(
+                    call, stream.request_id, self.dispatcher.model.name, int(time.time()), output, event,
+                    self._token_text,
+                )
+                return web.json_response(body, headers={"X-Request-Id": stream.request_id})
+        raise ServingError(f"request {stream.request_id} ended without a final message")
+
+    async def _stream(self, request: web.Request, call: OpenAICall, stream: RequestStream) -> web.StreamResponse:
+        """Server-sent events. Errors before the first token are a plain error response; after it, an
+        error event followed by [DONE]."""
+        events = aiter(stream)
+        first = await anext(events)  # a ServingError here becomes an HTTP error status
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": stream.request_id,
+        })
+        await response.prepare(request)
+        rid, model, created = stream.request_id, self.dispatcher.model.name, int(time.time())
+
+        async def send(data: Any) -> None:
+            await response.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
+
+        try:
+            if call.chat:
+                await send(chunk_json(call, rid, model, created, None, None, self._token_text, role=True))
+            event: Delta | Finished | None = first
+            while event is not None:
+                if isinstance(event, Delta):
+                    if event.text or event.logprobs:  # tokens whose text is held back add nothing yet
+                        await send(chunk_json(call, rid, model, created, event, None, self._token_text))
+                    event = await anext(events, None)
+                    continue
+                await send(chunk_json(call, rid, model, created, None, event, self._token_text))
+                if call.include_usage:
+                    await send(usage_chunk_json(call, rid, model, created, event.usage))
+                event = None
+        except ServingError as e:
+            await send(error_json(e))
+        except ConnectionResetError:
+            log.info("request %s: the client closed the connection", rid)
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _token_text(self, token_id: int) -> str:
+        return self.dispatcher.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()  # raises 413 over client_max_size
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None

@@ -1,0 +1,222 @@
+"""`baton up`: the local cluster in one command — a gateway, one prefill and one decode worker (or one
+colocated worker) as separate processes, started the way a user starts them, health-checked, and
+stopped together on Ctrl-C. Torch-free: the launcher only starts and watches processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from core.units import parse_bytes
+
+READY_TIMEOUT_S = 300.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Child:
+    """One process of the cluster, its log file and the gRPC address that says it is healthy."""
+
+    name: str
+    argv: list[str]
+    health_address: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "wb")  # noqa: SIM115 — closed by the child's lifetime
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass(slots=True)
+class Cluster:
+    children: list[Child] = field(default_factory=list)
+
+    def start(self) -> None:
+        for c in self.children:
+            c.start()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        while pending:
+            for c in list(pending):
+                assert c.proc is not None
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
+                if is_serving(c.health_address):
+                    pending.remove(c)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {names}\n{pending[0].tail()}")
+            time.sleep(0.2)
+
+    def first_exited(self) -> Child | None:
+        return next((c for c in self.children if c.proc is not None and c.proc.poll() is not None), None)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM everyone (gateway first, so it stops taking requests), then SIGKILL stragglers."""
+        for c in reversed(self.children):
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            if c.proc is None:
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait(5)
+
+
+def is_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dict[str, str]]:
+    """The processes of the local cluster; returns them and the endpoints to print."""
+    baton = [sys.executable, "-m", "services.cli"]
+    verbose = ["-v"] if args.verbose else []
+    model = ["--model", args.model] if args.model else []
+    host = args.host
+    worker_common = [*model, "--host", host, "--kv-transport", args.kv_transport,
+                     "--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.threads:
+        worker_common += ["--threads", str(args.threads)]
+    cluster = Cluster()
+    roles = [("worker", "both")] if args.colocated else [("prefill", "prefill"), ("decode", "decode")]
+    addresses: dict[str, str] = {}
+    for name, role in roles:
+        port = free_port(host)
+        addresses[role] = f"{host}:{port}"
+        cluster.children.append(Child(
+            f"{name} worker", [*baton, *verbose, "worker", "--role", role, "--port", str(port), *worker_common],
+            addresses[role], log_dir / f"{name}.log"))
+    grpc_port = args.grpc_port or free_port(host)
+    http_port = args.http_port or free_port(host)
+    decode = addresses.get("decode", addresses.get("both", ""))
+    gateway = [*baton, *verbose, "gateway", *model, "--host", host, "--grpc-port", str(grpc_port),
+               "--http-port", str(http_port), "--decode-workers", decode]
+    if "prefill" in addresses:
+        gateway += ["--prefill-workers", addresses["prefill"]]
+    cluster.children.append(Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log"))
+    endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}", **addresses}
+    return cluster, endpoints
+
+
+def prepare_model(model: str | None) -> str:
+    """Resolves the model once before the workers start (the default model is converted on first use,
+    and two workers must not convert it at the same time). Runs in a child: the launcher stays light."""
+    cmd = [sys.executable, "-c",
+           "import sys; from engine.loader import resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))",
+           model or ""]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"cannot prepare the model: {out.stderr.strip().splitlines()[-1:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
+    http = endpoints["http"]
+    return f"""
+Baton is up — model {model_name}
+  OpenAI HTTP : {http}/v1   (health {http}/health, metrics {http}/metrics)
+  gRPC        : {endpoints['grpc']}   (baton.v1.Gateway; reflection on)
+  workers     : {', '.join(f'{k} {v}' for k, v in endpoints.items() if k not in ('grpc', 'http'))}
+  logs        : {log_dir}
+
+Try it:
+  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+
+Press Ctrl-C to stop everything.
+""".rstrip()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    model_dir = prepare_model(args.model)
+    args.model = model_dir
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster, endpoints = build_cluster(args, log_dir)
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"starting {len(cluster.children)} processes (logs in {log_dir}) …", flush=True)
+    try:
+        cluster.start()
+        deadline = time.monotonic() + args.ready_timeout
+        while not stopping:  # poll in short slices so Ctrl-C during start-up is honoured at once
+            try:
+                cluster.wait_healthy(min(1.0, max(0.0, deadline - time.monotonic())))
+                break
+            except RuntimeError as e:
+                if "not healthy" not in str(e) or time.monotonic() > deadline:
+                    print(f"baton up: {e}", file=sys.stderr)
+                    return 1
+        if stopping:
+            return 130
+        print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
+        while not stopping:
+            dead = cluster.first_exited()
+            if dead is not None:
+                print(f"baton up: {dead.name} exited ({dead.proc.returncode if dead.proc else '?'}):\n{dead.tail()}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        print("stopping …", flush=True)
+        return 0
+    finally:
+        cluster.stop()
+
+
+def add_up_parser(sub: Any) -> None:
+    p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0 = any free port)")
+    p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
+    p.add_argument("--colocated", action="store_true", help="one worker with role both instead of P + D")
+    p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="per worker")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch threads per worker (default: half the cores each)")
+    p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    p.add_argument("--log-dir", default=None, help="where each process writes its log (default: a temp dir)")
+    p.set_defaults(func=run_up)

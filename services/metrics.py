@@ -1,0 +1,52 @@
+"""The gateway's Prometheus metrics, defined in one place (issue 6 adds the full set).
+
+They live in their own registry, not prometheus-client's global one, so that `/metrics` shows exactly
+Baton's series and several gateways in one test process share them without double registration.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+REQUESTS = Counter(
+    "baton_gateway_requests",
+    "Requests that ended, by API (grpc, http) and outcome (ok, cancelled, or the error's gRPC code).",
+    ["api", "outcome"],
+    registry=REGISTRY,
+)
+CANCELLATIONS = Counter(
+    "baton_gateway_cancellations",
+    "Requests cancelled before they finished, by reason (client, cancel_rpc, session, disconnect, "
+    "deadline, slow_reader, shutdown).",
+    ["reason"],
+    registry=REGISTRY,
+)
+IN_FLIGHT = Gauge("baton_gateway_requests_in_flight", "Requests accepted and not yet ended.", registry=REGISTRY)
+TTFT = Histogram(
+    "baton_gateway_ttft_seconds", "Accepted -> first token handed to the client.",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+E2E = Histogram(
+    "baton_gateway_e2e_seconds", "Accepted -> final message.", buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+KV_TRANSFER_RETRIES = Counter(
+    "baton_gateway_kv_transfer_retries",
+    "Decodes retried with a fresh prefill after a failed KV transfer.",
+    registry=REGISTRY,
+)
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text and its content type."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -1,0 +1,132 @@
+"""`baton up` as a user runs it: one command starts the gateway and the workers as separate processes,
+prints where to call it, serves the same tokens as offline generation, and stops everything on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    http: str
+    grpc: str
+    banner: str
+
+    def children(self) -> list[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def start_up(tmp: Path, *extra: str) -> Up:
+    cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
+           "--kv-cache-memory", "64MiB", "--log-dir", str(tmp / "logs"), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Press Ctrl-C" in line:
+            break
+    text = "".join(lines)
+    http = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
+    grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
+    if not (http and grpc_addr):
+        proc.kill()
+        raise AssertionError(f"baton up did not become ready:\n{text}")
+    return Up(proc, http.group(1), grpc_addr.group(1), text)
+
+
+def stop_up(up: Up) -> None:
+    children = up.children()
+    up.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    assert up.proc.wait(30) == 0, "baton up did not exit cleanly on Ctrl-C"
+    for pid in children:  # every process it started is gone (reaped by it)
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@pytest.fixture(scope="module")
+def tiny_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    up = start_up(tmp_path_factory.mktemp("up"), "--model", str(tiny_llama), "--kv-transport", "tcp")
+    try:
+        yield up
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(tiny_up: Up, tiny_llama: Path) -> None:
+    import httpx
+
+    from core.sampling_params import SamplingParams
+    from engine import LLM
+
+    assert len(tiny_up.children()) == 3, "gateway, prefill and decode workers are separate processes"
+    assert "curl" in tiny_up.banner, "the banner shows a ready-to-paste example"
+    prompt = "def add(a, b):"
+    offline = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{tiny_up.http}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == offline.text
+    assert r.json()["usage"]["completion_tokens"] == 12
+
+    with grpc.insecure_channel(tiny_up.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(
+            max_tokens=12, temperature=0.0, ignore_eos=True))
+        ids: list[int] = []
+        completion = None
+        for msg in stub.Generate(req, timeout=60):
+            if msg.HasField("delta"):
+                ids.extend(msg.delta.token_ids)
+            else:
+                completion = msg.completion
+    assert ids == offline.token_ids
+    assert completion is not None and completion.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert completion.timings.ttft_ms > 0 and completion.timings.e2e_ms >= completion.timings.ttft_ms
+
+    stop_up(tiny_up)
+
+
+@pytest.mark.slow
+def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_path: Path) -> None:
+    from openai import OpenAI
+
+    up = start_up(tmp_path)
+    try:
+        assert os.path.basename(up.banner.split("model ", 1)[1].split()[0]).startswith("smollm2")
+        client = OpenAI(base_url=f"{up.http}/v1", api_key="unused", timeout=120)
+        model = client.models.list().data[0].id
+        chunks = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert "Paris" in text
+        stop_up(up)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
