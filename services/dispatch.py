@@ -280,7 +280,8 @@ class Dispatcher:
                 if prefill.HasField("handle"):
                     job.abort_on(self.workers, prefill_at)
                 reason = FINISH_FROM_PB.get(prefill.finish_reason, "stop")
-                stream.finish(self._finished(stream, job, reason, max(1, prefill.usage.completion_tokens)))
+                stream.finish(self._finished(stream, job, reason, max(1, prefill.usage.completion_tokens),
+                                             prefill.stop_reason))
                 return
             try:
                 await self._decode(stream, job, decode_at, prefill.handle, first_token)
@@ -351,7 +352,8 @@ class Dispatcher:
         if handle is None and first_token is None:
             job.cached_tokens = last.usage.cached_tokens
         reason = FINISH_FROM_PB.get(last.finish_reason, "stop")
-        stream.finish(self._finished(stream, job, reason, last.usage.completion_tokens or stream.num_tokens))
+        stream.finish(self._finished(stream, job, reason, last.usage.completion_tokens or stream.num_tokens,
+                                     last.stop_reason))
 
     def _push(self, stream: RequestStream, msg: common_pb2.TokenDelta) -> None:
         first = stream.first_token_at is None
@@ -359,7 +361,8 @@ class Dispatcher:
         if first and stream.first_token_at is not None:
             metrics.TTFT.observe(stream.first_token_at - stream.accepted_at)
 
-    def _finished(self, stream: RequestStream, job: _Job | None, reason: str, completion_tokens: int) -> Finished:
+    def _finished(self, stream: RequestStream, job: _Job | None, reason: str, completion_tokens: int,
+                  stop_reason: str = "") -> Finished:
         now = time.perf_counter()
         e2e_s = now - stream.accepted_at
         metrics.E2E.observe(e2e_s)
@@ -372,4 +375,4 @@ class Dispatcher:
             "request %s finished: %s prompt=%d completion=%d ttft=%.1fms e2e=%.1fms", job.request_id, reason,
             len(job.prompt_ids), completion_tokens, ttft, e2e_s * 1e3,
         )
-        return Finished(reason, Usage(len(job.prompt_ids), completion_tokens, job.cached_tokens), timings)
+        return Finished(reason, Usage(len(job.prompt_ids), completion_tokens, job.cached_tokens), timings, stop_reason)

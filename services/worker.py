@@ -97,6 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             resp.handle.CopyFrom(handle_to_pb(handle))
         else:
             resp.finish_reason = FINISH_TO_PB[out.finish_reason or "length"]
+            resp.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
         return resp
 
     async def _final(self, stream: OutputStream) -> RequestOutput:
@@ -145,6 +146,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(out.token_ids),
                                                         cached_tokens=out.num_cached_tokens))
                     msg.transfer_ms = out.transfer_s * 1e3
+                    msg.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
                     if not request.HasField("handle") and t_first is not None:
                         msg.prefill_ms = (t_first - t0) * 1e3
                     msg.decode_ms = (now - (t_first or now)) * 1e3

@@ -75,6 +75,11 @@ def test_handoff_and_local_prefill_equal_offline_and_free_everything(tiny_llama:
             local, _ = await collect(ds.Decode(worker_pb2.DecodeRequest(request_id="b", prompt_token_ids=ids,
                                                                         sampling=GREEDY)))
             assert local == offline
+            stop_at = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[offline[2]])
+            stopped, last = await collect(ds.Decode(worker_pb2.DecodeRequest(
+                request_id="s", prompt_token_ids=ids, sampling=stop_at)))
+            assert stopped == offline[:3] and last.finish_reason == common_pb2.FINISH_REASON_STOP
+            assert last.stop_reason == str(offline[2])
             for stub in (ps, ds):
                 info, _ = await wait_idle(stub)
                 assert info.num_free_blocks == info.num_blocks and info.num_leases == 0
