@@ -1,0 +1,109 @@
+"""`Placer`: picks a prefill and a decode worker for one request — a pure function of the workers'
+published load and prefix-cache contents, so it is unit-tested without Redis or a model.
+
+The cost of a decode worker (lower is better; every term is a fraction, so they add up sensibly):
+
+    cost(D) = kv_usage_after(D) + queue_weight · queued(D) − overlap_weight · hit_fraction(D)
+
+* ``kv_usage_after`` — the share of D's KV blocks in use once this request's new blocks are taken
+  (blocks its prefix cache already holds are not new). A worker the request does not fit is skipped.
+* ``queued`` — waiting requests plus pulls in flight, per running slot: work D has accepted but not
+  started; waiting requests add latency to every token D produces, so they count more than running ones.
+* ``hit_fraction`` — the share of the prompt's blocks D already holds (leading blocks of the hash
+  chain): prefill work that need not run and KV that need not move.
+
+A prefill worker is chosen by the same idea: fewest queued prompts, most leading blocks cached.
+The prefill pool is skipped (the decode worker prefills locally, chunked among its decodes) when
+what is left to compute on D is short — under ``local_prefill_threshold`` tokens — or when no
+prefill worker is healthy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One healthy worker as the placer sees it."""
+
+    address: str
+    role: str  # prefill | decode | both
+    num_blocks: int
+    free_blocks: int  # free plus evictable cached blocks
+    running: int
+    waiting: int
+    transfers: int
+    hit_blocks: int  # leading blocks of this request's hash chain it holds
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPolicy:
+    """The knobs of the cost function (documented in the module docstring and docs/SCHEDULER.md)."""
+
+    queue_weight: float = 0.5
+    overlap_weight: float = 1.0
+    local_prefill_threshold: int = 32  # tokens left to compute below which P is skipped
+    max_running_hint: int = 64  # a worker's batch size, to scale its queue
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    prefill: Candidate | None  # None: the decode worker prefills locally
+    decode: Candidate
+    decode_cost: float
+
+
+class NoCapacity(Exception):
+    """No decode worker can take the request now (every one is full or excluded)."""
+
+
+class Placer:
+    """Chooses workers by the documented cost; stateless and deterministic (ties → address order)."""
+
+    def __init__(self, policy: PlacementPolicy | None = None) -> None:
+        self.policy = policy or PlacementPolicy()
+
+    def decode_cost(self, c: Candidate, num_prompt_blocks: int, num_blocks_needed: int) -> float | None:
+        """None when the request's new blocks do not fit in the worker's free blocks."""
+        new_blocks = max(0, num_blocks_needed - c.hit_blocks)
+        if c.num_blocks <= 0 or new_blocks > c.free_blocks:
+            return None
+        usage_after = 1.0 - (c.free_blocks - new_blocks) / c.num_blocks
+        queued = (c.waiting + c.transfers) / max(1, self.policy.max_running_hint)
+        hit_fraction = c.hit_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
+        return usage_after + self.policy.queue_weight * queued - self.policy.overlap_weight * hit_fraction
+
+    def prefill_cost(self, c: Candidate, num_prompt_blocks: int) -> float:
+        queued = (c.running + c.waiting) / max(1, self.policy.max_running_hint)
+        hit_fraction = c.hit_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
+        return queued - self.policy.overlap_weight * hit_fraction
+
+    def place(
+        self,
+        decode_pool: Sequence[Candidate],
+        prefill_pool: Sequence[Candidate],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        block_size: int,
+        exclude: Collection[str] = (),
+    ) -> Placement:
+        num_prompt_blocks = num_prompt_tokens // block_size  # full blocks: the ones a cache can hold
+        num_blocks_needed = -(-(num_prompt_tokens + min(max_tokens, block_size)) // block_size)
+        best: tuple[float, str, Candidate] | None = None
+        for c in decode_pool:
+            if c.address in exclude:
+                continue
+            cost = self.decode_cost(c, num_prompt_blocks, num_blocks_needed)
+            if cost is not None and (best is None or (cost, c.address) < best[:2]):
+                best = (cost, c.address, c)
+        if best is None:
+            raise NoCapacity("no decode worker has room for this request now")
+        decode = best[2]
+        left_on_decode = num_prompt_tokens - decode.hit_blocks * block_size
+        prefills = [c for c in prefill_pool if c.address not in exclude and c.address != decode.address]
+        if left_on_decode < self.policy.local_prefill_threshold or not prefills:
+            return Placement(None, decode, best[0])
+        prefill = min(prefills, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
+        return Placement(prefill, decode, best[0])
