@@ -152,17 +152,29 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str = "",
         kv_lease_id: str | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> Request:
         """Tokenizes and queues a request; raises InvalidRequest if it cannot ever be served.
 
         With ``kv_lease_id`` (a prefill for a handoff) the request's blocks are pinned under that lease
         when it finishes, for a decode worker to pull; ``unpin_lease`` frees them.
+
+        ``resume_token_ids`` continues a request another worker started (a migration): they are
+        output tokens the client already has — recomputed like a preempted request's, counted against
+        ``max_tokens``, never emitted again; sampling continues at the same positions, so a seeded
+        request continues exactly as it would have.
         """
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
+        resumed = self._check_ids(resume_token_ids)
+        if len(resumed) >= params.max_tokens:
+            raise InvalidRequest(f"nothing to resume: {len(resumed)} tokens already meet max_tokens")
         request = self._new_request(request_id, token_ids, params, cache_salt)
         request.kv_lease_id = kv_lease_id
-        self.scheduler.add_request(request)
+        request.output_token_ids.extend(resumed)
         self._track(request)
+        if resumed:
+            self._continue_after(request, resumed)
+        self.scheduler.add_request(request)
         return request
 
     def add_transferred_request(
@@ -192,20 +204,27 @@ class LLMEngine:
         if len(source_block_ids) < n_blocks:
             raise InvalidRequest(f"the handle holds {len(source_block_ids)} blocks, the prompt needs {n_blocks}")
         self._track(request)
-        state = self._states[request.request_id]
-        # The first token's text was streamed by the prefill side: it becomes context here (and may
-        # hold back the start of a stop string), it is not emitted again.
-        state.text = state.detok.add([first_token])
-        if state.matcher is not None:
-            state.text, hit_stop = state.matcher.feed(state.text)
-            if hit_stop:
-                del self._states[request.request_id]
-                raise InvalidRequest("the first token already completes a stop string: nothing to decode")
+        self._continue_after(request, [first_token])
         try:
             return self._start_transfer(request, n_prompt, n_blocks, source_block_ids, start_pull, timeout_s)
         except BaseException:
             del self._states[request.request_id]
             raise
+
+    def _continue_after(self, request: Request, sent: list[int]) -> None:
+        """Tokens another worker already streamed become context: their text is not emitted again
+        (a held-back start of a stop string stays held back)."""
+        state = self._states[request.request_id]
+        # Replayed one token at a time, as the first worker saw them: the detokenizer's and the stop
+        # matcher's held-back text then match what the client has exactly.
+        for token in sent:
+            delta = state.detok.add([token])
+            if state.matcher is not None:
+                delta, hit_stop = state.matcher.feed(delta)
+                if hit_stop:
+                    del self._states[request.request_id]
+                    raise InvalidRequest("the tokens already sent complete a stop string: nothing to decode")
+            state.text += delta
 
     def _start_transfer(
         self, request: Request, n_prompt: int, n_blocks: int, source_block_ids: Sequence[int],

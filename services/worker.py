@@ -121,7 +121,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.HasField("handle"):
                 await self._start_pull(context, handoff, rid, ids, request)
             else:
-                await self._call(context, lambda e: e.add_request(rid, ids, params, cache_salt=request.cache_salt))
+                resume = list(request.resume_token_ids)
+                await self._call(context, lambda e: e.add_request(
+                    rid, ids, params, cache_salt=request.cache_salt, resume_token_ids=resume))
             t_first: float | None = None
             while not finished:
                 try:

@@ -216,3 +216,34 @@ def test_blocks_of_a_cancelled_pull_are_not_reused_until_it_settles(tiny_llama: 
     engine.step()
     engine.scheduler.check_integrity()
     assert engine.kv.num_free_blocks == total
+
+
+@pytest.mark.parametrize("k", [1, 5, 11])
+def test_a_resumed_request_continues_exactly_where_it_stopped(tiny_llama: Path, k: int) -> None:
+    """Migration: another engine gets prompt + the tokens already sent and produces exactly the rest,
+    seeded sampling and penalties included, without re-emitting text."""
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, frequency_penalty=0.5,
+                            ignore_eos=True)
+    full = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20))
+    full.add_request("r", prompt, params)
+    stream = [o for _ in range(40) for o in full.step()]
+    done = stream[-1]
+    assert done.finished and len(done.token_ids) == 16
+    sent_text = "".join(o.new_text for o in stream if len(o.token_ids) <= k)  # what the client had
+
+    other = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20))
+    other.add_request("r", prompt, params, resume_token_ids=done.token_ids[:k])
+    new_ids: list[int] = []
+    new_text = ""
+    finished = None
+    for _ in range(40):
+        for o in other.step():
+            new_ids += o.new_token_ids
+            new_text += o.new_text
+            finished = o if o.finished else finished
+    assert new_ids == done.token_ids[k:]
+    assert finished is not None and finished.token_ids == done.token_ids and finished.text == done.text
+    assert sent_text + new_text == done.text
+    with pytest.raises(InvalidRequest, match="nothing to resume"):
+        other.add_request("r2", prompt, params, resume_token_ids=done.token_ids)
