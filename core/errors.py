@@ -31,6 +31,14 @@ class ContextLengthExceeded(InvalidRequest):
     """prompt tokens + max_tokens do not fit in the model version's context."""
 
 
+class Unauthenticated(ServingError):
+    """The API key is missing, unknown or revoked."""
+
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+    error_type = "authentication_error"
+
+
 class ModelNotFound(ServingError):
     """The requested model name or version does not exist."""
 

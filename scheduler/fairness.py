@@ -1,0 +1,278 @@
+"""`FairQueue`: the bounded waiting queue in Redis, served token-fairly between tenants.
+
+When admission must wait (no free decode blocks), requests wait here and leave in Virtual Token Counter
+order (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24): each tenant has a counter
+of the tokens it was served divided by its weight; the next request comes from the waiting tenant with
+the smallest counter, FIFO within a tenant. A tenant that starts waiting is lifted to the smallest
+counter of the tenants already waiting (or, with none waiting, to the counter of the last one that
+left), so credit cannot be banked while idle. Fairness is therefore token-weighted, not per request:
+while two tenants both wait, their counters differ by at most one request's cost / weight.
+
+Popping charges the request's ``cost_tokens`` (the caller's estimate, e.g. prompt + max_tokens) at
+once, in the same script, so concurrent replicas always see the updated counters; ``charge`` corrects
+the estimate later (a negative charge credits unused tokens back).
+
+Keys, all under one hash tag so one queue lives in one Redis Cluster slot (the per-tenant keys are
+built inside the scripts, which is allowed because they share the tag):
+``{prefix}fq:{name}:entries`` hash id → entry JSON, ``:deadlines`` zset id → deadline,
+``:q:<tenant>`` zset id → arrival sequence (FIFO), ``:seq`` the sequence, ``:active`` zset waiting
+tenant → counter, ``:vtc`` hash tenant → counter, ``:weights`` hash tenant → weight, ``:floor`` the
+counter of the last tenant that stopped waiting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from core.errors import CapacityExceeded
+from scheduler.tenants import TenantConfig
+
+# ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
+_LIB = """
+local base = ARGV[1]
+-- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
+local function num(x) return string.format('%.17g', x) end
+local now = tonumber(ARGV[2])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function deactivate(tenant)
+  redis.call('ZREM', base .. 'active', tenant)
+  redis.call('SET', base .. 'floor', redis.call('HGET', base .. 'vtc', tenant) or '0')
+end
+
+-- Takes an entry out of every structure; a tenant whose queue empties stops being active.
+local function drop(id)
+  local entry = redis.call('HGET', base .. 'entries', id)
+  if not entry then return nil end
+  local tenant = cjson.decode(entry)['tenant']
+  local q = base .. 'q:' .. tenant
+  redis.call('HDEL', base .. 'entries', id)
+  redis.call('ZREM', base .. 'deadlines', id)
+  redis.call('ZREM', q, id)
+  if redis.call('ZCARD', q) == 0 then deactivate(tenant) end
+  return entry
+end
+
+-- The reply: a status, then the entries whose deadline passed (dropped here, before any other step).
+local reply = {}
+local function reap()
+  reply[1] = ''
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', base .. 'deadlines', '-inf', num(now))) do
+    local entry = drop(id)
+    if entry then table.insert(reply, entry) end
+  end
+end
+"""
+
+# ARGV: base, now, id, tenant, cost, timeout_s, weight, tenant max depth, global max depth
+_ENQUEUE = _LIB + """
+reap()
+local id, tenant = ARGV[3], ARGV[4]
+local existing = redis.call('HGET', base .. 'entries', id)
+if existing then
+  reply[1] = existing  -- a retried enqueue keeps its place
+  return reply
+end
+local waiting = redis.call('ZCARD', base .. 'deadlines')
+if waiting >= tonumber(ARGV[9]) then
+  reply[1] = 'full:' .. waiting
+  return reply
+end
+local q = base .. 'q:' .. tenant
+local mine = redis.call('ZCARD', q)
+if mine >= tonumber(ARGV[8]) then
+  reply[1] = 'tenant_full:' .. mine
+  return reply
+end
+if not redis.call('ZSCORE', base .. 'active', tenant) then
+  -- Becoming active: lift to the smallest waiting counter, so idle time earns no credit. The values
+  -- stay Redis's own text so that no precision is lost on the way through Lua.
+  local counter = redis.call('HGET', base .. 'vtc', tenant) or '0'
+  local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
+  local lift = top[2] or redis.call('GET', base .. 'floor') or '0'
+  if tonumber(lift) > tonumber(counter) then
+    counter = lift
+    redis.call('HSET', base .. 'vtc', tenant, counter)
+  end
+  redis.call('ZADD', base .. 'active', counter, tenant)
+end
+redis.call('HSET', base .. 'weights', tenant, ARGV[7])
+local entry = cjson.encode({id = id, tenant = tenant, cost = tonumber(ARGV[5]), enqueued = num(now),
+                            deadline = num(now + tonumber(ARGV[6]))})
+redis.call('ZADD', q, redis.call('INCR', base .. 'seq'), id)
+redis.call('ZADD', base .. 'deadlines', num(now + tonumber(ARGV[6])), id)
+redis.call('HSET', base .. 'entries', id, entry)
+reply[1] = entry
+return reply
+"""
+
+# ARGV: base, now
+_POP = _LIB + """
+reap()
+while true do
+  local top = redis.call('ZRANGE', base .. 'active', 0, 0)
+  if not top[1] then return reply end
+  local tenant = top[1]
+  local q = base .. 'q:' .. tenant
+  local head = redis.call('ZRANGE', q, 0, 0)
+  local entry = head[1] and redis.call('HGET', base .. 'entries', head[1])
+  if entry then
+    redis.call('HDEL', base .. 'entries', head[1])
+    redis.call('ZREM', base .. 'deadlines', head[1])
+    redis.call('ZREM', q, head[1])
+    local weight = tonumber(redis.call('HGET', base .. 'weights', tenant) or '1')
+    local served = num(cjson.decode(entry)['cost'] / weight)
+    local counter = redis.call('HINCRBYFLOAT', base .. 'vtc', tenant, served)
+    if redis.call('ZCARD', q) == 0 then
+      deactivate(tenant)
+    else
+      redis.call('ZADD', base .. 'active', counter, tenant)
+    end
+    reply[1] = entry
+    return reply
+  end
+  -- A head without an entry (or an active tenant with an empty queue) should not exist; repair it.
+  if head[1] then redis.call('ZREM', q, head[1]) else deactivate(tenant) end
+end
+"""
+
+# ARGV: base, now, tenant, tokens / weight
+_CHARGE = _LIB + """
+local counter = redis.call('HINCRBYFLOAT', base .. 'vtc', ARGV[3], ARGV[4])
+if redis.call('ZSCORE', base .. 'active', ARGV[3]) then
+  redis.call('ZADD', base .. 'active', counter, ARGV[3])
+end
+return counter
+"""
+
+# ARGV: base, now, id
+_REMOVE = _LIB + """
+return drop(ARGV[3]) or false
+"""
+
+# ARGV: base, now
+_REAP = _LIB + """
+reap()
+return reply
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """A request waiting for admission, as the queue holds it."""
+
+    request_id: str
+    tenant: str
+    cost_tokens: int  # charged to the tenant's counter (÷ weight) when the request leaves the queue
+    enqueued_at_s: float  # queue clock (Redis server time unless a clock is given)
+    deadline_s: float  # after this the request is dropped instead of served
+
+    @classmethod
+    def from_json(cls, text: str) -> QueuedRequest:
+        d: dict[str, Any] = json.loads(text)
+        return cls(str(d["id"]), str(d["tenant"]), int(d["cost"]), float(d["enqueued"]), float(d["deadline"]))
+
+
+class FairQueue:
+    """A bounded waiting queue shared by all scheduler replicas, served in token-fair order.
+
+    ``name`` separates independent queues (e.g. one per model version) under one prefix; ``max_depth``
+    bounds the whole queue, each tenant's ``max_queue_depth`` its own share of it. Requests dropped for
+    their timeout by any call of this instance are collected for `expired` (their waiters also know their
+    own deadline, so a request dropped by another replica is failed by its waiter). ``clock`` replaces
+    Redis server time (seconds), for tests.
+    """
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", name: str = "default",
+                 max_depth: int = 10_000, retry_after_s: float = 1.0,
+                 clock: Callable[[], float] | None = None) -> None:
+        if max_depth < 1:
+            raise ValueError("max_depth must be at least 1")
+        self.name = name
+        self.max_depth = max_depth
+        self.retry_after_s = retry_after_s
+        self._client = client
+        self._base = f"{prefix}fq:{{{name}}}:"
+        # Scripts name one real key, so a cluster-aware client routes them to the queue's slot.
+        self._keys = [self._base + "entries"]
+        self._clock = clock
+        self._expired: list[QueuedRequest] = []
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._pop = client.register_script(_POP)
+        self._charge = client.register_script(_CHARGE)
+        self._remove = client.register_script(_REMOVE)
+        self._reap = client.register_script(_REAP)
+
+    def _args(self, *args: str | int | float) -> list[str | int | float]:
+        return [self._base, "" if self._clock is None else repr(self._clock()), *args]
+
+    def _collect(self, reply: list[str]) -> str:
+        """Keep the dropped entries that follow the status in a script's reply; return the status."""
+        self._expired.extend(QueuedRequest.from_json(text) for text in reply[1:])
+        return reply[0]
+
+    async def enqueue(self, tenant: TenantConfig, request_id: str, cost_tokens: int,
+                      timeout_s: float) -> QueuedRequest:
+        """Put a request at the back of its tenant's line; `CapacityExceeded` when the tenant's line or
+        the whole queue is full. Enqueueing an id that is already waiting returns it unchanged."""
+        if cost_tokens < 0 or not timeout_s > 0:
+            raise ValueError("cost_tokens must not be negative and timeout_s must be positive")
+        status = self._collect(await self._enqueue(keys=self._keys, args=self._args(
+            request_id, tenant.name, cost_tokens, repr(float(timeout_s)), repr(tenant.weight),
+            tenant.max_queue_depth, self.max_depth)))
+        if status.startswith("full:"):
+            raise CapacityExceeded(
+                f"the waiting queue is full ({status[5:]} requests waiting); retry after "
+                f"{self.retry_after_s:g} s", retry_after_s=self.retry_after_s)
+        if status.startswith("tenant_full:"):
+            raise CapacityExceeded(
+                f"tenant {tenant.name!r} already has {status[12:]} requests waiting "
+                f"(max_queue_depth={tenant.max_queue_depth}); retry after {self.retry_after_s:g} s",
+                retry_after_s=self.retry_after_s)
+        return QueuedRequest.from_json(status)
+
+    async def pop_next(self) -> QueuedRequest | None:
+        """The next request to admit (charging its cost to its tenant), or None if nothing waits."""
+        status = self._collect(await self._pop(keys=self._keys, args=self._args()))
+        return QueuedRequest.from_json(status) if status else None
+
+    async def charge(self, tenant: TenantConfig, tokens: float) -> float:
+        """Add tokens served beyond (or, if negative, short of) what was charged at pop; returns the
+        tenant's new counter."""
+        weighted = repr(tokens / tenant.weight)
+        counter = await self._charge(keys=self._keys, args=self._args(tenant.name, weighted))
+        return float(counter)
+
+    async def remove(self, request_id: str) -> QueuedRequest | None:
+        """Take a waiting request out (cancelled, or its waiter gave up); None if it is not waiting."""
+        entry = await self._remove(keys=self._keys, args=self._args(request_id))
+        return None if entry is None else QueuedRequest.from_json(str(entry))
+
+    async def reap_expired(self) -> list[QueuedRequest]:
+        """Drop every request whose deadline passed; returns them with any dropped earlier (`expired`)."""
+        self._collect(await self._reap(keys=self._keys, args=self._args()))
+        return self.expired()
+
+    def expired(self) -> list[QueuedRequest]:
+        """The requests this instance dropped for their timeout since the last call; fail them."""
+        out, self._expired = self._expired, []
+        return out
+
+    async def depth(self, tenant: str | None = None) -> int:
+        """Requests waiting, in total or for one tenant (including any past their deadline not yet
+        dropped)."""
+        key = self._base + ("deadlines" if tenant is None else f"q:{tenant}")
+        return int(await self._client.zcard(key))
+
+    async def counter(self, tenant: str) -> float:
+        """A tenant's virtual token counter (tokens served / weight, lifted when it starts waiting)."""
+        value = await self._client.hget(self._base + "vtc", tenant)
+        return 0.0 if value is None else float(value)

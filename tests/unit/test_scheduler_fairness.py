@@ -1,0 +1,268 @@
+"""FairQueue against a real redis-server: token-weighted fairness (VTC), lifting, bounds, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from core.errors import CapacityExceeded
+from scheduler.fairness import FairQueue, QueuedRequest
+from scheduler.tenants import TenantConfig
+
+pytestmark = pytest.mark.unit
+
+A, B, C = TenantConfig("a"), TenantConfig("b"), TenantConfig("c")
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(url: str, body: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        client = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            return await body(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def url(redis_server: Any, redis_client: Any) -> str:
+    return str(redis_server.url)  # redis_client has flushed the database
+
+
+async def serve_while_backlogged(q: FairQueue, tenants: list[TenantConfig]) -> dict[str, int]:
+    """Pop while every tenant has requests waiting; tokens served per tenant."""
+    served = {t.name: 0 for t in tenants}
+    while all([await q.depth(t.name) > 0 for t in tenants]):
+        item = await q.pop_next()
+        assert item is not None
+        served[item.tenant] += item.cost_tokens
+    return served
+
+
+def test_equal_weights_share_tokens_not_requests(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        q, rng = FairQueue(r, clock=Clock()), random.Random(7)
+        a, b = TenantConfig("a", max_queue_depth=1000), TenantConfig("b", max_queue_depth=1000)
+        max_cost = 100
+        # b sends ten times as many requests, and its requests are smaller: per-request fairness would
+        # give it far fewer tokens; token fairness gives both the same.
+        for i in range(300):
+            await q.enqueue(b, f"b{i}", rng.randint(1, max_cost // 2), 60)
+            if i % 10 == 0:
+                await q.enqueue(a, f"a{i}", rng.randint(max_cost // 2, max_cost), 60)
+        served = await serve_while_backlogged(q, [a, b])
+        assert served["a"] > 1500 and served["b"] > 1500
+        assert abs(served["a"] - served["b"]) <= max_cost
+        assert abs(await q.counter("a") - await q.counter("b")) <= max_cost
+
+    run(url, body)
+
+
+def test_weights_two_to_one_give_two_to_one_shares(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        heavy, light = TenantConfig("heavy", weight=2.0), TenantConfig("light", weight=1.0)
+        q = FairQueue(r, clock=Clock())
+        for i in range(200):
+            await q.enqueue(heavy, f"h{i}", 10, 60)
+            await q.enqueue(light, f"l{i}", 10, 60)
+        served = {"heavy": 0, "light": 0}
+        for _ in range(150):
+            item = await q.pop_next()
+            assert item is not None
+            served[item.tenant] += item.cost_tokens
+        assert served == {"heavy": 1000, "light": 500}
+        assert await q.counter("heavy") == pytest.approx(await q.counter("light"), abs=10)
+
+    run(url, body)
+
+
+def test_a_tenant_that_starts_waiting_is_lifted_to_the_minimum(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        q = FairQueue(r, clock=Clock())
+        await q.enqueue(B, "b0", 5, 60)  # b has been served a little, then goes idle
+        assert await q.pop_next() == QueuedRequest("b0", "b", 5, 1_000_000.0, 1_000_060.0)
+        for i in range(20):
+            await q.enqueue(A, f"a{i}", 100, 60)
+        # a started waiting when nobody was: it began at the counter of b, the last to leave.
+        assert await q.counter("a") == 5.0
+        for _ in range(10):
+            await q.pop_next()
+        assert await q.counter("a") == 1005.0
+        # b comes back: without lifting it would win the next ~1000 tokens' worth of turns in a row.
+        await q.enqueue(B, "b1", 100, 60)
+        assert await q.counter("b") == 1005.0
+        # c is new and lifted too; a is not lowered when others join.
+        await q.enqueue(C, "c1", 100, 60)
+        assert await q.counter("c") == 1005.0 and await q.counter("a") == 1005.0
+        assert [x.tenant for x in [await q.pop_next() for _ in range(4)] if x] == ["a", "b", "c", "a"]
+        # With nobody waiting a newcomer starts at the counter of the last tenant that left.
+        while await q.pop_next():
+            pass
+        last = max([await q.counter(t) for t in "abc"])
+        await q.enqueue(TenantConfig("d"), "d1", 1, 60)
+        assert await q.counter("d") == last
+
+    run(url, body)
+
+
+def test_fifo_within_a_tenant_and_charge_corrections(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        q = FairQueue(r, clock=Clock())
+        for i in range(3):
+            await q.enqueue(A, f"a{i}", 10, 60)
+            await q.enqueue(B, f"b{i}", 10, 60)
+        assert [x.request_id for x in [await q.pop_next(), await q.pop_next()] if x] == ["a0", "b0"]
+        # a's request stopped early: credit back what it did not use; it is served next.
+        assert await q.charge(A, -5) == 5.0
+        assert (await q.pop_next() or pytest.fail()).request_id == "a1"
+        # b's request ran long: charge the extra; a goes again.
+        assert await q.charge(B, 50) == 60.0
+        assert (await q.pop_next() or pytest.fail()).request_id == "a2"
+        weighted = TenantConfig("a", weight=4.0)
+        assert await q.charge(weighted, 8) == 25.0 + 8 / 4  # a0, a1 and a2 cost 30, credit 5
+
+    run(url, body)
+
+
+def test_bounds_per_tenant_and_global(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        q = FairQueue(r, clock=Clock(), max_depth=3, retry_after_s=2.0)
+        small = TenantConfig("a", max_queue_depth=2)
+        await q.enqueue(small, "a0", 1, 60)
+        await q.enqueue(small, "a1", 1, 60)
+        with pytest.raises(CapacityExceeded, match=r"tenant 'a' already has 2 requests waiting "
+                                                   r"\(max_queue_depth=2\)") as e:
+            await q.enqueue(small, "a2", 1, 60)
+        assert e.value.retry_after_s == 2.0 and e.value.http_status == 429
+        await q.enqueue(B, "b0", 1, 60)
+        with pytest.raises(CapacityExceeded, match=r"the waiting queue is full \(3 requests waiting\)"):
+            await q.enqueue(C, "c0", 1, 60)
+        assert (await q.depth(), await q.depth("a"), await q.depth("b"), await q.depth("c")) == (3, 2, 1, 0)
+        # Re-enqueueing an id that is waiting is not a new request and keeps its place.
+        assert (await q.enqueue(small, "a0", 1, 60)).request_id == "a0"
+        with pytest.raises(CapacityExceeded, match="max_queue_depth=0"):
+            await FairQueue(r, name="other").enqueue(TenantConfig("never", max_queue_depth=0), "n0", 1, 60)
+
+    run(url, body)
+
+
+def test_timeouts_drop_requests_and_report_them(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        clock = Clock()
+        q = FairQueue(r, clock=clock, max_depth=3)
+        await q.enqueue(A, "short", 1, 5)
+        await q.enqueue(A, "long", 1, 100)
+        await q.enqueue(B, "b-short", 1, 5)
+        clock.now += 10
+        assert q.expired() == []
+        item = await q.pop_next()
+        assert item is not None and item.request_id == "long"
+        assert sorted(x.request_id for x in q.expired()) == ["b-short", "short"]
+        assert q.expired() == []  # reported once
+        assert (await q.depth(), await q.depth("b")) == (0, 0)
+        assert await q.pop_next() is None
+        # A full queue makes room for new requests as soon as old ones time out.
+        for i in range(3):
+            await q.enqueue(C, f"c{i}", 1, 1)
+        clock.now += 2
+        await q.enqueue(A, "fresh", 1, 60)
+        assert len(q.expired()) == 3
+        await q.enqueue(A, "dies", 1, 1)
+        clock.now += 1
+        assert [x.request_id for x in await q.reap_expired()] == ["dies"]
+        assert await q.depth() == 1
+
+    run(url, body)
+
+
+def test_remove_takes_a_request_out(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        q = FairQueue(r, clock=Clock())
+        await q.enqueue(A, "a0", 10, 60)
+        await q.enqueue(A, "a1", 10, 60)
+        removed = await q.remove("a0")
+        assert removed is not None and (removed.request_id, removed.tenant) == ("a0", "a")
+        assert await q.remove("a0") is None and await q.remove("never") is None
+        assert (await q.pop_next() or pytest.fail()).request_id == "a1"
+        await q.enqueue(B, "b0", 10, 60)
+        await q.remove("b0")  # b's line is empty: it must not stay active
+        assert await q.pop_next() is None and await q.depth() == 0
+
+    run(url, body)
+
+
+def test_queues_with_different_names_are_independent(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        v1, v2 = FairQueue(r, name="v1"), FairQueue(r, name="v2")  # server time
+        await v1.enqueue(A, "x", 10, 60)
+        assert await v2.pop_next() is None
+        item = await v1.pop_next()
+        assert item is not None and item.deadline_s == pytest.approx(item.enqueued_at_s + 60)
+
+    run(url, body)
+
+
+# An operation: ("enqueue", tenant, cost, timeout, count) | ("pop", count) | ("remove", index) |
+# ("tick", seconds). Bursts make tenants fall idle and come back, where lifting matters.
+OPS = st.one_of(
+    st.tuples(st.just("enqueue"), st.sampled_from(["a", "b", "c"]), st.integers(0, 500), st.integers(1, 30),
+              st.integers(1, 4)),
+    st.tuples(st.just("pop"), st.integers(1, 4)),
+    st.tuples(st.just("remove"), st.integers(0, 200)),
+    st.tuples(st.just("tick"), st.integers(1, 5)),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(OPS, min_size=1, max_size=50),
+       weights=st.tuples(st.sampled_from([1.0, 2.0, 3.0]), st.sampled_from([1.0, 0.5, 4.0]),
+                         st.sampled_from([1.0, 2.5])))
+def test_vtc_bound_holds_for_any_interleaving(redis_server: Any, ops: list[tuple[Any, ...]],
+                                              weights: tuple[float, float, float]) -> None:
+    """Whenever two tenants both wait, their counters differ by at most the largest cost / weight of a
+    request yet enqueued: nobody falls behind by more than one request, whatever the arrival order."""
+    tenants = {name: TenantConfig(name, weight=w) for name, w in zip("abc", weights, strict=True)}
+
+    async def body(r: aioredis.Redis) -> None:
+        await r.flushdb()
+        clock = Clock()
+        q = FairQueue(r, clock=clock)
+        ids: list[str] = []
+        bound = 0.0
+        for n, op in enumerate(ops):
+            if op[0] == "enqueue":
+                t = tenants[op[1]]
+                for i in range(op[4]):
+                    await q.enqueue(t, f"r{n}.{i}", op[2], op[3])
+                    ids.append(f"r{n}.{i}")
+                bound = max(bound, op[2] / t.weight)
+            elif op[0] == "pop":
+                for _ in range(op[1]):
+                    await q.pop_next()
+            elif op[0] == "remove" and ids:
+                await q.remove(ids[op[1] % len(ids)])
+            elif op[0] == "tick":
+                clock.now += op[1]
+                await q.reap_expired()
+            waiting = [name for name in tenants if await q.depth(name) > 0]
+            counters = [await q.counter(name) for name in waiting]
+            if len(counters) > 1:
+                assert max(counters) - min(counters) <= bound + 1e-6, (op, waiting, counters)
+
+    run(redis_server.url, body)
