@@ -53,8 +53,8 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [redis_binary(), "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
                 "--dir", self._dir, "--protected-mode", "no"]
-        log = open(self._log_path, "wb")  # noqa: SIM115 — lives as long as the process
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with open(self._log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
         while True:

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     worker_config.add_worker_parser(sub)
     gateway.add_gateway_parser(sub)
     launcher.add_up_parser(sub)
+    from scheduler import service as scheduler_service
+
+    scheduler_service.add_scheduler_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,7 +30,15 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from kv_transfer.transport import KVTransport, make_transport
 from prefill_worker.handoff import PrefillHandoff, kv_layout
-from services.convert import FINISH_TO_PB, delta_to_pb, handle_from_pb, handle_to_pb, sampling_from_pb
+from services.convert import (
+    FINISH_TO_PB,
+    delta_to_pb,
+    handle_from_pb,
+    handle_to_pb,
+    layout_to_pb,
+    sampling_from_pb,
+)
+from services.membership import Membership, listen_for_cancels
 from services.status import abort_with
 from services.worker_config import WorkerConfig
 
@@ -201,37 +209,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> worker_pb2.AbortResponse:
         rid = request.request_id
+        return worker_pb2.AbortResponse(found=await self._call(context, lambda e: self.abort_everywhere(e, rid)))
 
-        def abort(engine: LLMEngine) -> bool:
-            found = False
-            if self.prefill is not None:
-                found = self.prefill.abort(rid) or found
-            if self.decode is not None:
-                found = self.decode.abort(rid) or found
-            return found or engine.abort_request(rid)
-
-        return worker_pb2.AbortResponse(found=await self._call(context, abort))
+    def abort_everywhere(self, engine: LLMEngine, rid: str) -> bool:
+        """Engine thread: stops the request in whatever stage it is here (idempotent)."""
+        found = False
+        if self.prefill is not None:
+            found = self.prefill.abort(rid) or found
+        if self.decode is not None:
+            found = self.decode.abort(rid) or found
+        return found or engine.abort_request(rid)
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
                    ) -> worker_pb2.InfoResponse:
-        def snapshot(engine: LLMEngine) -> worker_pb2.InfoResponse:
-            kv = engine.kv
-            return worker_pb2.InfoResponse(
-                role=ROLE_TO_PB[self.config.role], model=self.model_name, model_digest=self.transport.layout.model_digest,
-                max_model_len=engine.max_model_len, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-                num_pinned_blocks=kv.num_pinned_blocks, num_running=len(engine.scheduler.running),
-                num_waiting=len(engine.scheduler.waiting), num_transfers=engine.num_transfers,
-                num_leases=len(self.prefill.leases) if self.prefill is not None else 0,
-                block_size=kv.block_size, kv_backend=type(self.transport).__name__.removesuffix("Transport").lower(),
-                address=self.address,
-            )
+        return await self._call(context, self.snapshot)
 
-        return await self._call(context, snapshot)
+    def snapshot(self, engine: LLMEngine) -> worker_pb2.InfoResponse:
+        """Engine thread: capacity and load (Info, and the heartbeats to the scheduler)."""
+        kv = engine.kv
+        return worker_pb2.InfoResponse(
+            role=ROLE_TO_PB[self.config.role], model=self.model_name, model_digest=self.transport.layout.model_digest,
+            max_model_len=engine.max_model_len, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+            num_pinned_blocks=kv.num_pinned_blocks, num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting), num_transfers=engine.num_transfers,
+            num_leases=len(self.prefill.leases) if self.prefill is not None else 0,
+            block_size=kv.block_size, kv_backend=type(self.transport).__name__.removesuffix("Transport").lower(),
+            address=self.address,
+        )
 
     async def TransferMetadata(self, request: worker_pb2.TransferMetadataRequest,
                                context: grpc.aio.ServicerContext) -> worker_pb2.TransferMetadataResponse:
-        from services.convert import layout_to_pb
-
         meta = await self._call(context, lambda e: self.transport.metadata())
         layout = self.transport.layout
         return worker_pb2.TransferMetadataResponse(
@@ -261,8 +268,14 @@ class WorkerServer:
     transport: KVTransport
     health: HealthServicer
     address: str
+    membership: Membership | None = None
+    stop_bus: Callable[[], Awaitable[object]] | None = None
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.membership is not None:
+            await self.membership.stop()  # placement stops sending work here first
+        if self.stop_bus is not None:
+            await self.stop_bus()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         self.aengine.stop()
@@ -286,8 +299,8 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     aengine = AsyncEngine(engine, config.max_pending_outputs)
     if prefill is not None:
         aengine.service_hooks.append(prefill.service)
-    worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(config, aengine, transport, address, prefill, decode), server)
+    servicer = WorkerServicer(config, aengine, transport, address, prefill, decode)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -297,9 +310,16 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     await server.start()
     for name in ("", "baton.v1.Worker"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    worker = WorkerServer(server, aengine, transport, health, address)
+    if config.redis_url:
+        worker.stop_bus = await listen_for_cancels(
+            config.redis_url, lambda rid: aengine.post(lambda e: servicer.abort_everywhere(e, rid)))
+    if config.scheduler:
+        worker.membership = Membership(config.scheduler, aengine, servicer.snapshot, config.role)
+        worker.membership.start()
     log.info("worker ready: role=%s address=%s model=%s kv=%s", config.role, address, engine.model_dir,
              type(transport).__name__)
-    return WorkerServer(server, aengine, transport, health, address)
+    return worker
 
 
 async def serve_until_signal(config: WorkerConfig) -> None:

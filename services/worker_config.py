@@ -29,6 +29,8 @@ class WorkerConfig:
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
     max_pending_outputs: int = 256  # unread outputs per request before it is ended as a slow reader
+    scheduler: str | None = None  # host:port of a scheduler: register and heartbeat there
+    redis_url: str | None = None  # the cluster's Redis: listen on the cancellation bus
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -50,6 +52,8 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--lease-ttl-s", type=float, default=30.0)
     p.add_argument("--transfer-timeout-s", type=float, default=10.0)
     p.add_argument("--max-pending-outputs", type=int, default=256)
+    p.add_argument("--scheduler", default=None, help="scheduler host:port to register with (default: none)")
+    p.add_argument("--redis-url", default=None, help="the cluster's Redis, for the cancellation bus")
     p.set_defaults(func=run_worker)
 
 

@@ -1,0 +1,293 @@
+"""`WorkerRegistry`: which workers are alive, what they serve, how loaded they are, and which prefix blocks they hold.
+
+All state lives in Redis so that scheduler replicas stay stateless. Liveness is a TTL: every heartbeat
+re-arms it, and a worker that misses heartbeats for ``heartbeat_timeout_s`` simply disappears from
+placement (no scheduler has to notice it died). Keys, with the default prefix ``baton:``:
+
+* ``baton:workers`` — SET of worker ids ever registered and not yet swept (an index; may hold expired ids).
+* ``baton:worker:{id}`` — HASH: the `WorkerRecord`, the last `WorkerLoad`, and the scheduler's drain flag.
+  TTL = heartbeat timeout.
+* ``baton:prefix:{id}`` — SET of the block hashes (hex) in the worker's prefix cache. Same TTL.
+
+Scripts build per-worker keys from the prefix, so this assumes one Redis (or primary/replica), not Cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, cast
+
+import redis.asyncio as aioredis
+
+from core.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+WorkerRole = Literal["prefill", "decode", "both"]
+ROLES: frozenset[str] = frozenset({"prefill", "decode", "both"})
+
+_REGISTER = """
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[2])
+return 1
+"""
+
+# KEYS: worker hash, prefix set. ARGV: ttl_ms, replace ("1"/"0"), number of load fields*2, fields…, hashes…
+# Lua's unpack() fails past a few thousand values, so the hashes go in with SADDs of 1000.
+_HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local nfields = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + nfields))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[2] == '1' then
+  redis.call('DEL', KEYS[2])
+  local first = 4 + nfields
+  for i = first, #ARGV, 1000 do
+    redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  end
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+# Conditional so that setting the flag on an expired worker cannot resurrect a hash without a TTL.
+_SET_DRAINING = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'drain_requested', ARGV[1])
+return 1
+"""
+
+# Atomic, so a worker that re-registers between the check and the removal is never dropped from the index.
+_SWEEP = """
+local gone = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. id) == 0 then
+    redis.call('SREM', KEYS[1], id)
+    table.insert(gone, id)
+  end
+end
+return gone
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """What a worker is: identity, role, the model version it serves and the shape of its KV cache."""
+
+    worker_id: str  # the worker's gRPC address, host:port
+    role: WorkerRole
+    model: str  # served model name
+    version: str  # model digest: P and D are only paired within one version
+    address: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    kv_backend: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidRequest(f"role must be one of {sorted(ROLES)}, got {self.role!r}")
+        if not self.worker_id or not self.model or not self.version:
+            raise InvalidRequest("worker_id, model and version must be non-empty")
+        if self.num_blocks <= 0 or self.block_size <= 0 or self.max_model_len <= 0:
+            raise InvalidRequest("num_blocks, block_size and max_model_len must be positive")
+
+    def serves(self, role: str) -> bool:
+        """True if this worker takes ``role`` work: a "both" worker serves prefill and decode."""
+        return self.role == role or (self.role == "both" and role in ("prefill", "decode"))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as of one heartbeat."""
+
+    free_blocks: int
+    running: int
+    waiting: int
+    transfers: int  # KV pulls in flight
+    leases: int  # KV leases held (blocks pinned for a decode worker)
+    draining: bool = False  # the worker itself is shutting down and takes no new work
+    timestamp: float = field(default_factory=time.time)  # wall clock, when the load was measured
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A live worker as placement sees it: its record, last load, and whether the scheduler drains it."""
+
+    record: WorkerRecord
+    load: WorkerLoad
+    drain_requested: bool = False  # set by `WorkerRegistry.set_draining`, independent of the worker's own flag
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    @property
+    def draining(self) -> bool:
+        return self.load.draining or self.drain_requested
+
+
+def _load_fields(load: WorkerLoad) -> list[str]:
+    return ["free_blocks", str(load.free_blocks), "running", str(load.running), "waiting", str(load.waiting),
+            "transfers", str(load.transfers), "leases", str(load.leases),
+            "draining", "1" if load.draining else "0", "timestamp", repr(load.timestamp)]
+
+
+def _record_fields(record: WorkerRecord) -> list[str]:
+    return ["worker_id", record.worker_id, "role", record.role, "model", record.model,
+            "version", record.version, "address", record.address, "num_blocks", str(record.num_blocks),
+            "block_size", str(record.block_size), "max_model_len", str(record.max_model_len),
+            "kv_backend", record.kv_backend]
+
+
+def _parse_view(row: dict[str, str]) -> WorkerView:
+    record = WorkerRecord(
+        worker_id=row["worker_id"], role=cast(WorkerRole, row["role"]), model=row["model"],
+        version=row["version"], address=row["address"], num_blocks=int(row["num_blocks"]),
+        block_size=int(row["block_size"]), max_model_len=int(row["max_model_len"]),
+        kv_backend=row["kv_backend"])
+    load = WorkerLoad(
+        free_blocks=int(row["free_blocks"]), running=int(row["running"]), waiting=int(row["waiting"]),
+        transfers=int(row["transfers"]), leases=int(row["leases"]), draining=row["draining"] == "1",
+        timestamp=float(row["timestamp"]))
+    return WorkerView(record=record, load=load, drain_requested=row.get("drain_requested") == "1")
+
+
+class WorkerRegistry:
+    """Worker membership, load and prefix-cache contents in Redis, with TTL-based failure detection.
+
+    A worker calls `register` once and `heartbeat` every ``heartbeat_timeout_s / 3`` or so; when a
+    heartbeat returns False its registration expired (or was removed) and it must `register` again.
+    """
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", heartbeat_timeout_s: float = 3.0) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be positive")
+        self._redis = client
+        self._prefix = prefix
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._ttl_ms = max(1, round(heartbeat_timeout_s * 1000))
+        self._index = f"{prefix}workers"
+        self._register = client.register_script(_REGISTER)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._set_draining = client.register_script(_SET_DRAINING)
+        self._sweep = client.register_script(_SWEEP)
+
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self._prefix}worker:{worker_id}"
+
+    def _prefix_key(self, worker_id: str) -> str:
+        return f"{self._prefix}prefix:{worker_id}"
+
+    async def register(self, record: WorkerRecord, load: WorkerLoad,
+                       cached_hashes: Sequence[str] | None = None) -> None:
+        """(Re)register a worker: a new incarnation, so its prefix set and the drain flag start empty."""
+        fields = [*_record_fields(record), *_load_fields(load), "drain_requested", "0"]
+        await self._register(keys=[self._worker_key(record.worker_id), self._prefix_key(record.worker_id),
+                                   self._index],
+                             args=[self._ttl_ms, record.worker_id, *fields])
+        if cached_hashes:
+            await self.heartbeat(record.worker_id, load, cached_hashes)
+        log.info("worker %s registered: role=%s model=%s version=%s blocks=%d", record.worker_id, record.role,
+                 record.model, record.version, record.num_blocks)
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad,
+                        cached_hashes: Sequence[str] | None = None) -> bool:
+        """Refresh the worker's TTL and load; with ``cached_hashes`` also replace its published prefix set.
+
+        Returns False if the worker is unknown or expired: it must `register` again.
+        """
+        fields = _load_fields(load)
+        replace = cached_hashes is not None
+        args: list[str | int] = [self._ttl_ms, "1" if replace else "0", len(fields), *fields]
+        if cached_hashes:
+            args.extend(cached_hashes)
+        ok = await self._heartbeat(keys=[self._worker_key(worker_id), self._prefix_key(worker_id)], args=args)
+        return bool(ok)
+
+    async def deregister(self, worker_id: str) -> None:
+        """Remove a worker at once (graceful shutdown), rather than waiting for its TTL."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._worker_key(worker_id), self._prefix_key(worker_id))
+        pipe.srem(self._index, worker_id)
+        await pipe.execute()
+        log.info("worker %s deregistered", worker_id)
+
+    async def set_draining(self, worker_id: str, draining: bool) -> bool:
+        """Stop (or resume) placing new work on a worker; False if it is unknown or expired.
+
+        The flag belongs to the current registration: a worker that re-registers starts undrained.
+        """
+        ok = await self._set_draining(keys=[self._worker_key(worker_id)], args=["1" if draining else "0"])
+        if ok:
+            log.info("worker %s %s", worker_id, "draining" if draining else "undrained")
+        return bool(ok)
+
+    async def get(self, worker_id: str) -> WorkerView | None:
+        """One live worker, or None if it is unknown or expired."""
+        row = cast(dict[str, str], await self._redis.hgetall(self._worker_key(worker_id)))
+        return _parse_view(row) if row else None
+
+    async def all_workers(self) -> list[WorkerView]:
+        """Every live worker (draining ones included), sorted by id; expired ones are already gone."""
+        ids = sorted(cast(set[str], await self._redis.smembers(self._index)))
+        if not ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(self._worker_key(worker_id))
+        rows: list[dict[str, str]] = await pipe.execute()
+        return [_parse_view(row) for row in rows if row]
+
+    async def healthy(self, model: str, version: str | None = None, roles: Collection[str] | None = None,
+                      include_draining: bool = False) -> list[WorkerView]:
+        """Live workers that may take new work for ``model`` (and ``version``, if given).
+
+        ``roles``: keep workers that serve any of them (a "both" worker serves prefill and decode).
+        Draining workers are left out unless ``include_draining``.
+        """
+        views = []
+        for view in await self.all_workers():
+            record = view.record
+            if record.model != model or (version is not None and record.version != version):
+                continue
+            if roles is not None and not any(record.serves(role) for role in roles):
+                continue
+            if view.draining and not include_draining:
+                continue
+            views.append(view)
+        return views
+
+    async def sweep(self) -> list[str]:
+        """Drop expired workers from the index; returns their ids (for a log line or a metric)."""
+        gone = cast(list[str], await self._sweep(keys=[self._index], args=[f"{self._prefix}worker:"]))
+        for worker_id in gone:
+            log.warning("worker %s missed its heartbeats for %.1fs: evicted", worker_id, self.heartbeat_timeout_s)
+        return gone
+
+    async def prefix_overlap(self, worker_ids: Sequence[str], hashes: Sequence[str]) -> dict[str, int]:
+        """For each worker, how many leading blocks of a request's hash chain it holds.
+
+        Only the leading run counts: a block's KV is only reusable if every block before it is cached
+        too, so the count stops at the first miss. One round trip for all workers.
+        """
+        if not hashes or not worker_ids:
+            return {worker_id: 0 for worker_id in worker_ids}
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.smismember(self._prefix_key(worker_id), list(hashes))
+        results: list[list[int | bool]] = await pipe.execute()
+        overlap = {}
+        for worker_id, members in zip(worker_ids, results, strict=True):
+            count = 0
+            for member in members:
+                if not member:
+                    break
+                count += 1
+            overlap[worker_id] = count
+        return overlap

@@ -1,0 +1,408 @@
+"""The scheduler service: stateless gRPC replicas over Redis (`baton.v1.Scheduler`).
+
+`Place` is the one call a gateway makes per request: authenticate the tenant, choose the model
+version (sticky weights), derive the cache salt, charge the tenant's quotas, and pick a prefill and a
+decode worker by the documented cost (`scheduler.placement`) — waiting in the tenant-fair queue when no
+decode worker has room, up to a timeout. Workers register and heartbeat; the registry evicts those
+that stop. A reaper expires overdue leases and tells their prefill worker to free the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from baton.v1 import scheduler_pb2 as pb
+from baton.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from core.errors import CapacityExceeded, InvalidRequest, ModelNotFound, ServingError, Unavailable
+from core.kv_cache import hash_block
+from scheduler.cancel import CancellationBus
+from scheduler.fairness import FairQueue
+from scheduler.leases import LeaseLedger
+from scheduler.placement import Candidate, NoCapacity, Placement, PlacementPolicy, Placer
+from scheduler.quota import QuotaLedger
+from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry, WorkerView
+from scheduler.tenants import TenantConfig, TenantDirectory, cache_salt
+from scheduler.versions import ModelCatalog, choose_version, in_shadow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """One scheduler replica. Field names are the `baton scheduler` flags."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    port: int = 50061
+    prefix: str = "baton:"
+    heartbeat_timeout_s: float = 3.0
+    lease_ttl_s: float = 30.0
+    queue_timeout_s: float = 10.0  # longest a request waits for decode capacity
+    queue_poll_s: float = 0.02
+    reap_interval_s: float = 0.5
+    default_tenant: str | None = "default"  # requests without an API key; None = keys required
+    local_prefill_threshold: int = 32
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[str]:
+    """The prompt's prefix-hash chain exactly as the workers' KV caches compute it (hex)."""
+    hashes: list[str] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], salt)
+        hashes.append(parent.hex())
+    return hashes
+
+
+def _candidate(view: WorkerView, hit_blocks: int) -> Candidate:
+    r, load = view.record, view.load
+    return Candidate(r.address, r.role, r.num_blocks, load.free_blocks, load.running, load.waiting,
+                     load.transfers, hit_blocks)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[misc]  # generated, untyped
+    """One replica; every piece of shared state lives in Redis."""
+
+    def __init__(self, config: SchedulerConfig, client: aioredis.Redis) -> None:
+        self.config = config
+        p = config.prefix
+        self.registry = WorkerRegistry(client, p, config.heartbeat_timeout_s)
+        self.catalog = ModelCatalog(client, p)
+        self.tenants = TenantDirectory(client, p, default_tenant=config.default_tenant)
+        self.quota = QuotaLedger(client, p)
+        self.queue = FairQueue(client, p)
+        self.leases = LeaseLedger(client, p)
+        self.bus = CancellationBus(client, p)
+        self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold))
+        self._client = client
+
+    # ------------------------------------------------------------------ Place
+    async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
+        t0 = time.perf_counter()
+        try:
+            resp = await self._place(request)
+        except ServingError as e:
+            await _abort(context, e)
+            raise
+        except RedisError as e:
+            await _abort(context, Unavailable(f"the scheduler's state store is unavailable: {e}"))
+            raise
+        resp.decision_ms = (time.perf_counter() - t0) * 1e3
+        return resp
+
+    async def _place(self, request: pb.PlaceRequest) -> pb.PlaceResponse:
+        if not request.request_id:
+            raise InvalidRequest("request_id is required")
+        tenant = await self.tenants.resolve(request.api_key or None)
+        model = await self._model_name(request.model)
+        decode_views = await self.registry.healthy(model, roles=("decode",))
+        version = choose_version(await self.catalog.weights(model), request.request_id,
+                                 {v.record.version for v in decode_views})
+        if version is None:
+            raise Unavailable(f"no healthy decode worker serves model {model!r}")
+        decode_views = [v for v in decode_views if v.record.version == version]
+        prefill_views = await self.registry.healthy(model, version, roles=("prefill",))
+        block_size = decode_views[0].record.block_size
+        salt = cache_salt(tenant, version)
+        ids = list(request.prompt_token_ids)
+        if not ids:
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        hashes = prompt_hashes(ids, block_size, salt)
+        every = {v.worker_id: v for v in [*decode_views, *prefill_views]}
+        overlap = await self.registry.prefix_overlap(list(every), hashes)
+        blocks_needed = -(-(len(ids) + min(request.max_tokens, block_size)) // block_size)
+        if not request.resume:
+            await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
+        try:
+            placement = await self._place_or_wait(
+                model, tenant, request, [_candidate(v, overlap[v.worker_id]) for v in decode_views],
+                [_candidate(v, overlap[v.worker_id]) for v in prefill_views], len(ids), block_size)
+        except BaseException:
+            if not request.resume:  # nothing was served: give the quota back
+                await self.quota.finish(tenant, request.request_id, len(ids), 0)
+            raise
+        resp = pb.PlaceResponse(tenant=tenant.name, version=version, cache_salt=salt,
+                                decode_worker=placement.decode.address,
+                                prefix_hit_blocks=placement.decode.hit_blocks, lease_ttl_s=self.config.lease_ttl_s)
+        if placement.prefill is not None:
+            resp.prefill_worker = placement.prefill.address
+        await self._add_shadow(resp, model, request.request_id)
+        return resp
+
+    async def _model_name(self, name: str) -> str:
+        models = await self.catalog.models()
+        if not name:
+            if len(models) == 1:
+                return models[0]
+            if not models:
+                raise Unavailable("no worker has registered a model yet")
+            raise InvalidRequest(f"name a model: this cluster serves {', '.join(models)}")
+        if name not in models:
+            raise ModelNotFound(f"model {name!r} is not served here (served: {', '.join(models) or 'none'})")
+        return name
+
+    async def _place_or_wait(
+        self, model: str, tenant: TenantConfig, request: pb.PlaceRequest, decode: list[Candidate], prefill: list[Candidate],
+        num_prompt_tokens: int, block_size: int,
+    ) -> Placement:
+        exclude = set(request.exclude_workers)
+        try:
+            return self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens, block_size, exclude)
+        except NoCapacity:
+            pass
+        # No room now: wait in the tenant-fair queue, re-reading the workers' load as it changes.
+        rid = request.request_id
+        cost = num_prompt_tokens + request.max_tokens
+        await self.queue.enqueue(tenant, rid, cost, self.config.queue_timeout_s)
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        ready_key = f"{self.config.prefix}fq:ready:{rid}"
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(self.config.queue_poll_s)
+                views = await self.registry.healthy(model, roles=("decode",))
+                fresh = {v.record.address: v for v in views}
+                decode = [_candidate(fresh[c.address], c.hit_blocks) if c.address in fresh else c for c in decode]
+                try:
+                    placement = self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens,
+                                                  block_size, exclude)
+                except NoCapacity:
+                    continue
+                if await self._client.delete(ready_key):
+                    return placement  # an earlier waiter handed us our turn
+                head = await self.queue.pop_next()
+                if head is None or head.request_id == rid:
+                    return placement
+                await self._client.set(f"{self.config.prefix}fq:ready:{head.request_id}", "1",
+                                       ex=max(1, int(self.config.queue_timeout_s)))
+            raise CapacityExceeded(
+                f"no decode capacity for {self.config.queue_timeout_s:g} s (queue wait timed out)", retry_after_s=1.0)
+        finally:
+            await self.queue.remove(rid)
+            await self._client.delete(ready_key)
+
+    async def _add_shadow(self, resp: pb.PlaceResponse, model: str, request_id: str) -> None:
+        shadow_version, share = await self.catalog.shadow(model)
+        if not shadow_version or shadow_version == resp.version or not in_shadow(request_id, share):
+            return
+        views = await self.registry.healthy(model, shadow_version, roles=("decode",))
+        if views:
+            best = max(views, key=lambda v: (v.load.free_blocks, v.worker_id))
+            resp.shadow_version, resp.shadow_worker = shadow_version, best.record.address
+
+    # ------------------------------------------------------------------ request end, cancel, leases
+    async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishResponse:
+        tenant = await self.tenants.get_tenant(request.tenant)
+        if tenant is not None:
+            await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
+        return pb.FinishResponse()
+
+    async def Cancel(self, request: pb.SchedulerCancelRequest, context: grpc.aio.ServicerContext
+                     ) -> pb.SchedulerCancelResponse:
+        first = await self.bus.cancel(request.request_id, request.reason or "client")
+        return pb.SchedulerCancelResponse(first=first)
+
+    async def ReportLease(self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.ReportLeaseResponse:
+        if request.event == pb.LEASE_EVENT_PINNED:
+            ttl = request.ttl_s or self.config.lease_ttl_s
+            lease = await self.leases.create(request.lease_id, request.request_id, request.prefill_worker,
+                                             request.decode_worker, request.num_blocks, ttl)
+            return pb.ReportLeaseResponse(applied=lease is not None)
+        if request.event == pb.LEASE_EVENT_RELEASED:
+            return pb.ReportLeaseResponse(applied=await self.leases.release(request.lease_id))
+        if request.event == pb.LEASE_EVENT_ABORTED:
+            return pb.ReportLeaseResponse(applied=await self.leases.abort(request.lease_id))
+        await _abort(context, InvalidRequest("a lease report needs an event"))
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ workers
+    async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+                             ) -> pb.RegisterWorkerResponse:
+        w = request.worker
+        try:
+            record = WorkerRecord(w.address, w.role, w.model, w.version, w.address,
+                                  w.num_blocks, w.block_size, w.max_model_len, w.kv_backend)
+        except ServingError as e:
+            await _abort(context, e)
+            raise
+        await self.registry.register(record, _load(request.load))
+        await self.catalog.announce(w.model, w.version)
+        return pb.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_timeout_s / 3)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.HeartbeatResponse:
+        known = await self.registry.heartbeat(request.address, _load(request.load),
+                                              list(request.cached_block_hashes))
+        return pb.HeartbeatResponse(known=known)
+
+    # ------------------------------------------------------------------ model versions
+    async def ListModelVersions(self, request: pb.ListModelVersionsRequest, context: grpc.aio.ServicerContext
+                                ) -> pb.ListModelVersionsResponse:
+        resp = pb.ListModelVersionsResponse()
+        for model in [request.model] if request.model else await self.catalog.models():
+            resp.versions.extend(await self._versions(model))
+            shadow, share = await self.catalog.shadow(model)
+            if shadow:
+                resp.shadow[model], resp.shadow_share[model] = shadow, share
+        return resp
+
+    async def SetRollout(self, request: pb.SetRolloutRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.SetRolloutResponse:
+        try:
+            if request.model not in await self.catalog.models():
+                raise ModelNotFound(f"model {request.model!r} is not known")
+            known = set(await self.catalog.weights(request.model))
+            unknown = sorted(set(request.weights) - known)
+            if unknown:
+                raise InvalidRequest(f"unknown version(s) of {request.model}: {', '.join(unknown)}")
+            await self.catalog.set_weights(request.model, dict(request.weights))
+            if request.HasField("shadow_version"):
+                await self.catalog.set_shadow(request.model, request.shadow_version or None,
+                                              request.shadow_share if request.HasField("shadow_share") else 0.0)
+        except ValueError as e:
+            await _abort(context, InvalidRequest(str(e)))
+        except ServingError as e:
+            await _abort(context, e)
+        log.info("rollout of %s set: %s", request.model, dict(request.weights))
+        return pb.SetRolloutResponse(versions=await self._versions(request.model))
+
+    async def _versions(self, model: str) -> list[pb.ModelVersion]:
+        weights = await self.catalog.weights(model)
+        views = await self.registry.healthy(model, include_draining=True)
+        out = []
+        for version in sorted(weights):
+            serving = [v for v in views if v.record.version == version]
+            out.append(pb.ModelVersion(model=model, version=version, weight=weights[version],
+                                       num_workers=len(serving),
+                                       max_model_len=min((v.record.max_model_len for v in serving), default=0)))
+        return out
+
+    # ------------------------------------------------------------------ background
+    async def reap_forever(self) -> None:
+        """Expires overdue leases (each exactly once across replicas) and tells the prefill worker to
+        free them; sweeps workers whose heartbeats stopped. Survives Redis outages."""
+        while True:
+            try:
+                await self.ensure_default_tenant()
+                for lease in await self.leases.expire_due():
+                    await self._free_on_worker(lease.prefill_worker, lease.request_id)
+                await self.registry.sweep()
+            except RedisError as e:
+                log.warning("reaper: Redis unavailable (%s); retrying", e)
+            await asyncio.sleep(self.config.reap_interval_s)
+
+    async def ensure_default_tenant(self) -> None:
+        """The default tenant is configuration, not state: recreate it if Redis lost it (a restart
+        without persistence), so anonymous requests work again without an operator."""
+        name = self.config.default_tenant
+        if name and await self.tenants.get_tenant(name) is None:
+            await self.tenants.add_tenant(TenantConfig(name))
+            log.info("default tenant %r (re)created", name)
+
+    async def _free_on_worker(self, address: str, request_id: str) -> None:
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                await worker_pb2_grpc.WorkerStub(channel).Abort(worker_pb2.AbortRequest(request_id=request_id),
+                                                                timeout=2.0)
+        except grpc.aio.AioRpcError as e:  # a dead worker's blocks died with it
+            log.info("reaper: could not reach %s to free %s: %s", address, request_id, e.details())
+
+
+def _load(msg: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(msg.free_blocks, msg.running, msg.waiting, msg.transfers, msg.leases, msg.draining)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ServingError) -> None:
+    """Ends the call with the error's status (the same mapping as services.status, which the scheduler
+    may not import): RESOURCE_EXHAUSTED carries its retry-after as trailing metadata."""
+    if isinstance(error, CapacityExceeded):
+        context.set_trailing_metadata((("retry-after", f"{error.retry_after_s:g}"),))
+    await context.abort(grpc.StatusCode[error.grpc_code], error.message)
+
+
+@dataclass(slots=True)
+class SchedulerServer:
+    """A running replica: its gRPC server, Redis client and background reaper."""
+
+    server: grpc.aio.Server
+    servicer: SchedulerServicer
+    client: aioredis.Redis
+    reaper: asyncio.Task[None]
+    address: str
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        self.reaper.cancel()
+        await self.server.stop(grace_s)
+        await self.client.aclose()
+
+
+async def serve_scheduler(config: SchedulerConfig) -> SchedulerServer:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1._async import HealthServicer
+    from grpc_reflection.v1alpha import reflection
+
+    client = aioredis.Redis.from_url(config.redis_url, decode_responses=True, socket_timeout=2.0,
+                                     socket_connect_timeout=2.0)
+    servicer = SchedulerServicer(config, client)
+    await servicer.ensure_default_tenant()
+    server = grpc.aio.server()
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name, "grpc.health.v1.Health", reflection.SERVICE_NAME],
+        server)
+    await server.start()
+    for name in ("", "baton.v1.Scheduler"):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reaper = asyncio.create_task(servicer.reap_forever(), name="lease-reaper")
+    address = f"{config.host}:{port}"
+    log.info("scheduler ready on %s (redis %s)", address, config.redis_url)
+    return SchedulerServer(server, servicer, client, reaper, address)
+
+
+def add_scheduler_parser(sub: Any) -> None:
+    d = {f.name: f.default for f in fields(SchedulerConfig)}
+    p = sub.add_parser("scheduler", help="run a scheduler replica (gRPC; state in Redis)")
+    p.add_argument("--redis-url", default=d["redis_url"])
+    p.add_argument("--host", default=d["host"])
+    p.add_argument("--port", type=int, default=d["port"])
+    p.add_argument("--prefix", default=d["prefix"], help="Redis key prefix (one per cluster)")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=d["heartbeat_timeout_s"])
+    p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"])
+    p.add_argument("--queue-timeout-s", type=float, default=d["queue_timeout_s"])
+    p.add_argument("--default-tenant", default=d["default_tenant"],
+                   help="tenant of requests without an API key ('' = API keys required)")
+    p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"])
+    p.set_defaults(func=run_scheduler)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    names = {f.name for f in fields(SchedulerConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["default_tenant"] = values.get("default_tenant") or None
+    asyncio.run(_serve_until_signal(SchedulerConfig(**values)))
+    return 0
+
+
+async def _serve_until_signal(config: SchedulerConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = await serve_scheduler(config)
+    print(f"baton scheduler serving on {server.address} (redis {config.redis_url})", flush=True)
+    await stop.wait()
+    await server.stop()

@@ -1,0 +1,125 @@
+"""A worker's membership in the cluster: registration and heartbeats to the scheduler (load and the
+prefix-cache block hashes placement reads), and the cancellation bus (cancels published by any
+gateway replica reach the worker that holds the request). Both survive a scheduler or Redis outage:
+they log, back off and carry on; requests in flight are never touched by them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from baton.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+MAX_PUBLISHED_HASHES = 4096  # placement needs leading blocks; a bounded set keeps heartbeats small
+
+
+class Membership:
+    """Registers with the scheduler, then heartbeats every interval it is told (re-registering when
+    the scheduler has evicted it)."""
+
+    def __init__(self, scheduler: str, aengine: AsyncEngine,
+                 info: Callable[[LLMEngine], worker_pb2.InfoResponse], role: str) -> None:
+        self.scheduler = scheduler
+        self.aengine = aengine
+        self._info = info
+        self.role = role
+        self.interval_s = 1.0
+        self.draining = False
+        self._channel = grpc.aio.insecure_channel(scheduler)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._task: asyncio.Task[None] | None = None
+        self.registered = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="membership")
+
+    async def stop(self) -> None:
+        self.draining = True
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await self._beat(timeout_s=1.0)  # tell placement at once: no new work here
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._channel.close()
+
+    async def _run(self) -> None:
+        known = False
+        backoff = 0.2
+        while True:
+            try:
+                if not known:
+                    await self._register()
+                    known = True
+                    self.registered.set()
+                else:
+                    known = await self._beat()
+                backoff = 0.2
+                await asyncio.sleep(self.interval_s)
+            except grpc.aio.AioRpcError as e:
+                known = False
+                log.warning("scheduler %s unreachable (%s); retrying in %.1fs", self.scheduler, e.code().name, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def _snapshot(self) -> tuple[worker_pb2.InfoResponse, list[str]]:
+        def read(engine: LLMEngine) -> tuple[worker_pb2.InfoResponse, list[str]]:
+            hashes = [h.hex() for h in list(engine.kv.cached_hashes())[:MAX_PUBLISHED_HASHES]]
+            return self._info(engine), hashes
+
+        return await self.aengine.call(read)
+
+    def _load(self, info: worker_pb2.InfoResponse) -> scheduler_pb2.WorkerLoad:
+        return scheduler_pb2.WorkerLoad(free_blocks=info.num_free_blocks, running=info.num_running,
+                                        waiting=info.num_waiting, transfers=info.num_transfers,
+                                        leases=info.num_leases, draining=self.draining)
+
+    async def _register(self) -> None:
+        info, _ = await self._snapshot()
+        record = scheduler_pb2.WorkerRecord(
+            address=info.address, role=self.role, model=info.model, version=info.model_digest,
+            num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+            kv_backend=info.kv_backend)
+        reply = await self._stub.RegisterWorker(
+            scheduler_pb2.RegisterWorkerRequest(worker=record, load=self._load(info)), timeout=5.0)
+        self.interval_s = max(0.05, reply.heartbeat_interval_s or 1.0)
+        log.info("registered with scheduler %s as %s (%s)", self.scheduler, info.address, self.role)
+
+    async def _beat(self, timeout_s: float = 5.0) -> bool:
+        info, hashes = await self._snapshot()
+        reply = await self._stub.Heartbeat(
+            scheduler_pb2.HeartbeatRequest(address=info.address, load=self._load(info), cached_block_hashes=hashes),
+            timeout=timeout_s)
+        return bool(reply.known)
+
+
+async def listen_for_cancels(redis_url: str, abort: Callable[[str], object]) -> Callable[[], object]:
+    """Subscribes to the cancellation bus; ``abort(request_id)`` runs for every cancel (idempotent).
+    Returns an async stop function."""
+    import redis.asyncio as aioredis
+
+    from scheduler.cancel import CancellationBus
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    bus = CancellationBus(client)
+
+    def on_cancel(request_id: str, reason: str) -> None:
+        log.info("cancel of %s from the bus (%s)", request_id, reason)
+        abort(request_id)
+
+    bus.listen(on_cancel)
+    await bus.wait_subscribed(timeout_s=5.0)
+
+    async def stop() -> None:
+        await bus.stop()
+        await client.aclose()
+
+    return stop

@@ -1,0 +1,215 @@
+"""The scheduler service against a real redis-server and real workers (grpc.aio on loopback, tiny
+model): registration and heartbeats, KV-aware placement, quotas, the cancellation bus, heartbeat
+eviction, the lease reaper, and a Redis outage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler.service import SchedulerConfig, SchedulerServer, serve_scheduler
+from services.worker import WorkerServer, serve_worker
+from services.worker_config import WorkerConfig
+
+pytestmark = pytest.mark.integration
+
+GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < timeout_s, "condition not reached in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class Cluster:
+    def __init__(self, redis_url: str, model: Path) -> None:
+        self.redis_url, self.model = redis_url, model
+        self.scheduler: SchedulerServer | None = None
+        self.workers: dict[str, WorkerServer] = {}
+
+    async def start_scheduler(self, **kw: Any) -> scheduler_pb2_grpc.SchedulerStub:
+        self.scheduler = await serve_scheduler(SchedulerConfig(redis_url=self.redis_url, port=0, **kw))
+        return scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(self.scheduler.address))
+
+    async def start_worker(self, role: str) -> tuple[str, worker_pb2_grpc.WorkerStub]:
+        assert self.scheduler is not None
+        w = await serve_worker(WorkerConfig(role=role, model=str(self.model), kv_transport="tcp",
+                                            kv_cache_memory=4 << 20, threads=1, scheduler=self.scheduler.address,
+                                            redis_url=self.redis_url))
+        self.workers[w.address] = w
+        assert w.membership is not None
+        await asyncio.wait_for(w.membership.registered.wait(), 10)
+        return w.address, worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(w.address))
+
+    async def stop(self) -> None:
+        for w in self.workers.values():
+            await w.stop()
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+
+
+def run(redis_server: Any, tiny_llama: Path, body: Callable[[Cluster], Awaitable[None]]) -> None:
+    async def main() -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(redis_server.url)
+        await client.flushdb()
+        await client.aclose()
+        cluster = Cluster(redis_server.url, tiny_llama)
+        try:
+            await body(cluster)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(main())
+
+
+def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server: Any, tiny_llama: Path) -> None:
+    async def body(c: Cluster) -> None:
+        sched = await c.start_scheduler(heartbeat_timeout_s=0.6)
+        p_addr, _ = await c.start_worker("prefill")
+        d1, d1_stub = await c.start_worker("decode")
+        d2, _ = await c.start_worker("decode")
+        versions = await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())
+        assert [(v.weight, v.num_workers) for v in versions.versions] == [(1.0, 3)]
+
+        long_prompt = list(range(3, 200))
+        placed = await sched.Place(scheduler_pb2.PlaceRequest(request_id="a", prompt_token_ids=long_prompt,
+                                                              max_tokens=8))
+        assert placed.prefill_worker == p_addr and placed.decode_worker in (d1, d2)
+        assert placed.tenant == "default" and placed.cache_salt and placed.decision_ms > 0
+        short = await sched.Place(scheduler_pb2.PlaceRequest(request_id="b", prompt_token_ids=[5, 6, 7], max_tokens=4))
+        assert not short.HasField("prefill_worker")
+
+        # Warm d1's prefix cache with the tenant's salt; its next heartbeat publishes the hashes.
+        async for _ in d1_stub.Decode(worker_pb2.DecodeRequest(request_id="warm", prompt_token_ids=long_prompt,
+                                                               sampling=GREEDY, cache_salt=placed.cache_salt)):
+            pass
+        for rid in ("a", "b", "warm"):
+            await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant="default"))
+
+        async def prefers_d1() -> bool:
+            rid = f"c{time.monotonic_ns()}"
+            again = await sched.Place(scheduler_pb2.PlaceRequest(
+                request_id=rid, prompt_token_ids=long_prompt + [9], max_tokens=8))
+            await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant="default"))
+            return again.decode_worker == d1 and again.prefix_hit_blocks == len(long_prompt) // 16
+
+        took = await eventually(prefers_d1)
+        print(f"prefix-aware placement chose the warm worker {took * 1e3:.0f} ms after its prefill")
+
+    run(redis_server, tiny_llama, body)
+
+
+def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llama: Path) -> None:
+    async def body(c: Cluster) -> None:
+        sched = await c.start_scheduler(heartbeat_timeout_s=0.6, reap_interval_s=0.1)
+        from scheduler.tenants import TenantConfig
+
+        assert c.scheduler is not None
+        await c.scheduler.servicer.tenants.add_tenant(TenantConfig("solo", max_concurrent=1))
+        await c.scheduler.servicer.tenants.add_api_key("key-solo", "solo")
+        p_addr, p_stub = await c.start_worker("prefill")
+        d_addr, d_stub = await c.start_worker("decode")
+
+        # Quota: one request in flight for "solo"; a second gets RESOURCE_EXHAUSTED with retry-after.
+        first = await sched.Place(scheduler_pb2.PlaceRequest(request_id="q1", api_key="key-solo",
+                                                             prompt_token_ids=[5] * 40, max_tokens=4))
+        assert first.tenant == "solo"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sched.Place(scheduler_pb2.PlaceRequest(request_id="q2", api_key="key-solo",
+                                                         prompt_token_ids=[5] * 40, max_tokens=4))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurren" in (e.value.details() or "")
+        assert dict(e.value.trailing_metadata() or ()).get("retry-after")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sched.Place(scheduler_pb2.PlaceRequest(request_id="q3", api_key="wrong", prompt_token_ids=[5]))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await sched.Finish(scheduler_pb2.FinishRequest(request_id="q1", tenant="solo"))
+        await sched.Place(scheduler_pb2.PlaceRequest(request_id="q2", api_key="key-solo", prompt_token_ids=[5] * 40,
+                                                     max_tokens=4))
+
+        # The cancellation bus reaches the decode worker holding the request.
+        long = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        call = d_stub.Decode(worker_pb2.DecodeRequest(request_id="bus", prompt_token_ids=[7] * 30, sampling=long))
+        seen = 0
+        last = None
+        async for msg in call:
+            seen += len(msg.delta.token_ids)
+            if seen == 3:
+                assert (await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="bus"))).first
+            last = msg
+        assert last is not None and last.finish_reason == common_pb2.FINISH_REASON_CANCELLED and seen < 400
+        assert not (await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="bus"))).first
+
+        # The lease reaper: a prefill whose decode never comes; its lease expires and P frees the blocks.
+        r = await p_stub.Prefill(worker_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(3, 60)),
+                                                           sampling=GREEDY))
+        await sched.ReportLease(scheduler_pb2.ReportLeaseRequest(
+            event=scheduler_pb2.LEASE_EVENT_PINNED, lease_id=r.handle.lease_id, request_id="orphan",
+            prefill_worker=p_addr, decode_worker=d_addr, num_blocks=len(r.handle.block_ids), ttl_s=0.3))
+        assert (await p_stub.Info(worker_pb2.InfoRequest())).num_leases == 1
+
+        async def freed() -> bool:
+            info = await p_stub.Info(worker_pb2.InfoRequest())
+            return info.num_leases == 0 and info.num_free_blocks == info.num_blocks
+
+        took = await eventually(freed)
+        print(f"lease reaper: prefill worker's blocks free {took * 1e3:.0f} ms after the report")
+        assert await c.scheduler.servicer.leases.stranded_blocks() == 0
+
+        # Eviction: a decode worker that stops heartbeating leaves placement within the timeout.
+        await c.workers.pop(d_addr).stop()
+        t0 = time.monotonic()
+
+        async def evicted() -> bool:
+            versions = await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())
+            return all(v.num_workers == 1 for v in versions.versions)
+
+        await eventually(evicted)
+        print(f"stopped decode worker left placement after {time.monotonic() - t0:.2f} s")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await sched.Place(scheduler_pb2.PlaceRequest(request_id="nod", prompt_token_ids=[5] * 40, max_tokens=4))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decode worker" in (e.value.details() or "")
+
+    run(redis_server, tiny_llama, body)
+
+
+def test_redis_outage_gives_unavailable_and_heals_itself(redis_server: Any, tiny_llama: Path) -> None:
+    async def body(c: Cluster) -> None:
+        sched = await c.start_scheduler(heartbeat_timeout_s=1.5)
+        await c.start_worker("both")
+        place = scheduler_pb2.PlaceRequest(prompt_token_ids=[5] * 20, max_tokens=4)
+        place.request_id = "before"
+        await sched.Place(place)
+        redis_server.kill()
+        try:
+            place.request_id = "during"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await sched.Place(place, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in (e.value.details() or "")
+        finally:
+            redis_server.start()
+        t0 = time.monotonic()
+
+        async def healed() -> bool:
+            place.request_id = f"after-{time.monotonic_ns()}"
+            try:
+                await sched.Place(place, timeout=5)
+                return True
+            except grpc.aio.AioRpcError:
+                return False  # UNAVAILABLE until a worker re-registers with the empty Redis
+
+        await eventually(healed, timeout_s=20)
+        print(f"placement resumed {time.monotonic() - t0:.2f} s after Redis came back (state re-announced)")
+
+    run(redis_server, tiny_llama, body)

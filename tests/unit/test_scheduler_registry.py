@@ -1,0 +1,203 @@
+"""WorkerRegistry against a real redis-server: TTL eviction, draining, re-registration, prefix overlap."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from core.errors import InvalidRequest
+from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+
+pytestmark = pytest.mark.unit
+
+TTL = 0.3  # heartbeat timeout in these tests: short, so eviction is tested without long sleeps
+
+
+@pytest.fixture
+def url(redis_server: Any, redis_client: Any) -> str:
+    return str(redis_server.url)  # redis_client has flushed the database
+
+
+def run(url: str, body: Callable[[aioredis.Redis], Awaitable[None]]) -> None:
+    async def main() -> None:
+        client = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            await body(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def record(worker_id: str, role: str = "decode", model: str = "llama", version: str = "v1") -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, role=role, model=model, version=version,  # type: ignore[arg-type]
+                        address=worker_id, num_blocks=100, block_size=16, max_model_len=4096, kv_backend="tcp")
+
+
+def load(free_blocks: int = 100, draining: bool = False) -> WorkerLoad:
+    return WorkerLoad(free_blocks=free_blocks, running=1, waiting=2, transfers=0, leases=3, draining=draining,
+                      timestamp=123.5)
+
+
+def ids(views: Any) -> list[str]:
+    return [view.worker_id for view in views]
+
+
+def test_register_and_filter_by_model_version_and_role(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r, heartbeat_timeout_s=5)
+        await reg.register(record("p:1", "prefill"), load())
+        await reg.register(record("d:1", "decode"), load(free_blocks=7))
+        await reg.register(record("b:1", "both"), load())
+        await reg.register(record("d:2", "decode", version="v2"), load())
+        await reg.register(record("q:1", "decode", model="qwen"), load())
+
+        assert ids(await reg.healthy("llama")) == ["b:1", "d:1", "d:2", "p:1"]
+        assert ids(await reg.healthy("llama", version="v1")) == ["b:1", "d:1", "p:1"]
+        assert ids(await reg.healthy("llama", "v1", roles=["prefill"])) == ["b:1", "p:1"]
+        assert ids(await reg.healthy("llama", "v1", roles=["decode"])) == ["b:1", "d:1"]
+        assert ids(await reg.healthy("nope")) == []
+
+        view = await reg.get("d:1")
+        assert view is not None and view.record == record("d:1", "decode") and view.load == load(free_blocks=7)
+        assert await reg.get("unknown") is None
+
+    run(url, body)
+
+
+def test_missed_heartbeats_evict_and_the_worker_reregisters(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r, heartbeat_timeout_s=TTL)
+        await reg.register(record("d:1"), load())
+        await reg.register(record("d:2"), load())
+        for _ in range(3):  # heartbeats keep d:1 alive past several timeouts' worth of time
+            await asyncio.sleep(TTL / 2)
+            assert await reg.heartbeat("d:1", load(free_blocks=50))
+        assert ids(await reg.healthy("llama")) == ["d:1"]  # d:2 missed its heartbeats
+        assert await reg.sweep() == ["d:2"]
+        assert await reg.sweep() == []
+
+        await asyncio.sleep(TTL + 0.05)
+        assert await reg.healthy("llama") == []
+        assert not await reg.heartbeat("d:1", load())  # expired: told to re-register
+        assert await r.exists("baton:worker:d:1") == 0  # and the heartbeat did not resurrect it
+        await reg.register(record("d:1"), load(free_blocks=9))
+        assert [v.load.free_blocks for v in await reg.healthy("llama")] == [9]
+        assert await reg.sweep() == []  # a re-registered worker is never swept
+
+    run(url, body)
+
+
+def test_heartbeat_for_an_unknown_worker_returns_false(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r)
+        assert not await reg.heartbeat("ghost:1", load(), ["aa"])
+        assert await r.exists("baton:worker:ghost:1", "baton:prefix:ghost:1") == 0
+
+    run(url, body)
+
+
+def test_draining_workers_take_no_new_work_but_are_listed(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r, heartbeat_timeout_s=TTL)
+        await reg.register(record("d:1"), load())
+        await reg.register(record("d:2"), load())
+        await reg.register(record("d:3"), load(draining=True))  # the worker drains itself (SIGTERM)
+        assert await reg.set_draining("d:1", True)
+        assert not await reg.set_draining("ghost:1", True)
+
+        assert ids(await reg.healthy("llama")) == ["d:2"]
+        assert ids(await reg.healthy("llama", include_draining=True)) == ["d:1", "d:2", "d:3"]
+        assert [(v.worker_id, v.draining) for v in await reg.all_workers()] == [
+            ("d:1", True), ("d:2", False), ("d:3", True)]
+        assert await reg.heartbeat("d:1", load())  # the worker's own load does not undo the scheduler's flag
+        assert ids(await reg.healthy("llama")) == ["d:2"]
+
+        assert await reg.set_draining("d:1", False)
+        assert ids(await reg.healthy("llama")) == ["d:1", "d:2"]
+
+        await reg.set_draining("d:2", True)
+        await reg.register(record("d:2"), load())  # a new incarnation starts undrained
+        assert ids(await reg.healthy("llama")) == ["d:1", "d:2"]
+
+        await asyncio.sleep(TTL + 0.05)
+        assert not await reg.set_draining("d:1", True)  # expired: no TTL-less hash appears
+        assert await r.exists("baton:worker:d:1") == 0
+
+    run(url, body)
+
+
+def test_deregister_removes_at_once(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r)
+        await reg.register(record("d:1"), load(), cached_hashes=["aa"])
+        await reg.deregister("d:1")
+        assert await reg.all_workers() == []
+        assert await r.exists("baton:prefix:d:1") == 0
+        assert await reg.sweep() == []
+
+    run(url, body)
+
+
+def test_prefix_overlap_counts_leading_hashes_only(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r, heartbeat_timeout_s=TTL)
+        await reg.register(record("a:1"), load(), cached_hashes=["h0", "h1", "h3"])
+        await reg.register(record("b:1"), load())
+        assert await reg.heartbeat("b:1", load(), ["h1", "h2", "h3"])  # everything but the first block
+        await reg.register(record("c:1"), load())
+        chain = ["h0", "h1", "h2", "h3"]
+        workers = ["a:1", "b:1", "c:1", "ghost:1"]
+        assert await reg.prefix_overlap(workers, chain) == {"a:1": 2, "b:1": 0, "c:1": 0, "ghost:1": 0}
+        assert await reg.prefix_overlap(workers, []) == dict.fromkeys(workers, 0)
+
+        assert await reg.heartbeat("a:1", load())  # no hashes given: the published set is kept
+        assert (await reg.prefix_overlap(["a:1"], chain))["a:1"] == 2
+        assert await reg.heartbeat("a:1", load(), ["h0", "h1", "h2", "h3", "h4"])  # replaced
+        assert (await reg.prefix_overlap(["a:1"], chain))["a:1"] == 4
+        assert await reg.heartbeat("a:1", load(), [])  # an emptied cache
+        assert (await reg.prefix_overlap(["a:1"], chain))["a:1"] == 0
+
+        many = [f"{i:064x}" for i in range(2500)]  # more than one Lua unpack() slice
+        assert await reg.heartbeat("c:1", load(), many)
+        assert (await reg.prefix_overlap(["c:1"], many))["c:1"] == 2500
+        assert (await reg.prefix_overlap(["c:1"], [*many[:10], "x", *many[10:]]))["c:1"] == 10
+
+        await asyncio.sleep(TTL + 0.05)  # the published set expires with the worker
+        assert await r.exists("baton:prefix:c:1") == 0
+        await reg.register(record("c:1"), load())
+        assert (await reg.prefix_overlap(["c:1"], many))["c:1"] == 0
+
+    run(url, body)
+
+
+def test_reregistration_clears_the_published_prefix_set(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r)
+        await reg.register(record("a:1"), load(), cached_hashes=["h0"])
+        await reg.register(record("a:1"), load())  # restarted process: its cache is empty
+        assert await reg.prefix_overlap(["a:1"], ["h0"]) == {"a:1": 0}
+
+    run(url, body)
+
+
+def test_prefix_keeps_registries_apart(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        one, two = WorkerRegistry(r, prefix="one:"), WorkerRegistry(r, prefix="two:")
+        await one.register(record("d:1"), load())
+        assert ids(await one.healthy("llama")) == ["d:1"]
+        assert await two.healthy("llama") == []
+
+    run(url, body)
+
+
+def test_invalid_records_are_rejected() -> None:
+    with pytest.raises(InvalidRequest, match="role"):
+        record("d:1", role="router")
+    with pytest.raises(InvalidRequest):
+        WorkerRecord("d:1", "decode", "llama", "v1", "d:1", num_blocks=0, block_size=16, max_model_len=1,
+                     kv_backend="tcp")
