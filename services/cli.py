@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler import service as scheduler_service
 
     scheduler_service.add_scheduler_parser(sub)
+    from scheduler import admin
+
+    admin.add_models_parser(sub)
+    admin.add_tenants_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -5,6 +5,7 @@ eviction, the lease reaper, and a Redis outage."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,6 +30,14 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10
         assert time.monotonic() - t0 < timeout_s, "condition not reached in time"
         await asyncio.sleep(0.02)
     return time.monotonic() - t0
+
+
+async def cli(*args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out.decode()
+    return out.decode()
 
 
 class Cluster:
@@ -82,6 +91,13 @@ def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server:
         d2, _ = await c.start_worker("decode")
         versions = await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())
         assert [(v.weight, v.num_workers) for v in versions.versions] == [(1.0, 3)]
+        # The operator's CLI, as a separate process: list, then change the weight.
+        v = versions.versions[0]
+        assert c.scheduler is not None
+        out = await cli("models", "--scheduler", c.scheduler.address, "set", v.model, f"{v.version}=0.5")
+        assert f"{v.version}" in out and "0.500" in out
+        out = await cli("models", "--scheduler", c.scheduler.address, "list")
+        assert "0.500" in out and "       3" in out
 
         long_prompt = list(range(3, 200))
         placed = await sched.Place(scheduler_pb2.PlaceRequest(request_id="a", prompt_token_ids=long_prompt,

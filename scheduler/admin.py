@@ -1,0 +1,122 @@
+"""Operator commands: `baton models` (versions, rollout weights, shadow traffic — through a scheduler)
+and `baton tenants` (tenants and API keys — straight in Redis, where the scheduler reads them)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import grpc
+
+from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def add_models_parser(sub: Any) -> None:
+    p = sub.add_parser("models", help="list model versions, set rollout weights and shadow traffic")
+    p.add_argument("--scheduler", default="127.0.0.1:50061", help="a scheduler's host:port")
+    cmds = p.add_subparsers(dest="models_command", required=True)
+    ls = cmds.add_parser("list", help="versions with their weights and healthy workers")
+    ls.add_argument("model", nargs="?", default="")
+    ls.set_defaults(func=_run_models)
+    st = cmds.add_parser("set", help="set rollout weights, e.g. `baton models set m v1=0.9 v2=0.1`")
+    st.add_argument("model")
+    st.add_argument("weights", nargs="*", help="VERSION=WEIGHT (versions not named keep theirs)")
+    st.add_argument("--shadow", default=None, help="shadow version ('' clears it)")
+    st.add_argument("--shadow-share", type=float, default=None, help="share of requests mirrored, 0..1")
+    st.set_defaults(func=_run_models)
+
+
+def _parse_weights(items: list[str]) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for item in items:
+        version, sep, value = item.partition("=")
+        if not sep or not version:
+            raise SystemExit(f"baton models set: expected VERSION=WEIGHT, got {item!r}")
+        try:
+            weights[version] = float(value)
+        except ValueError:
+            raise SystemExit(f"baton models set: weight of {version} is not a number: {value!r}") from None
+    return weights
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    return asyncio.run(_models(args))
+
+
+async def _models(args: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(args.scheduler) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        try:
+            if args.models_command == "list":
+                reply = await stub.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(model=args.model),
+                                                     timeout=10)
+                versions = list(reply.versions)
+                shadow = dict(reply.shadow)
+                share = dict(reply.shadow_share)
+            else:
+                req = scheduler_pb2.SetRolloutRequest(model=args.model, weights=_parse_weights(args.weights))
+                if args.shadow is not None:
+                    req.shadow_version = args.shadow
+                if args.shadow_share is not None:
+                    req.shadow_share = args.shadow_share
+                versions = list((await stub.SetRollout(req, timeout=10)).versions)
+                shadow, share = {}, {}
+        except grpc.aio.AioRpcError as e:
+            print(f"baton models: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    print(f"{'model':<28} {'version':<18} {'weight':>7} {'workers':>8} {'context':>8}")
+    for v in versions:
+        print(f"{v.model:<28} {v.version:<18} {v.weight:>7.3f} {v.num_workers:>8} {v.max_model_len:>8}")
+    for model, version in shadow.items():
+        print(f"shadow: {model} -> {version} ({share.get(model, 0.0):.1%} of requests)")
+    return 0
+
+
+def add_tenants_parser(sub: Any) -> None:
+    p = sub.add_parser("tenants", help="add tenants and API keys (in the cluster's Redis)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    cmds = p.add_subparsers(dest="tenants_command", required=True)
+    add = cmds.add_parser("add", help="create or replace a tenant")
+    add.add_argument("name")
+    for flag, kind in (("requests-per-s", float), ("tokens-per-s", float), ("burst-s", float),
+                       ("max-concurrent", int), ("max-kv-blocks", int), ("max-queue-depth", int), ("weight", float)):
+        add.add_argument(f"--{flag}", type=kind, default=None)
+    add.add_argument("--share-prefix-cache", action="store_true")
+    add.set_defaults(func=_run_tenants)
+    key = cmds.add_parser("add-key", help="map an API key to a tenant")
+    key.add_argument("key")
+    key.add_argument("tenant")
+    key.set_defaults(func=_run_tenants)
+    ls = cmds.add_parser("list", help="tenants and their limits")
+    ls.set_defaults(func=_run_tenants)
+
+
+def _run_tenants(args: argparse.Namespace) -> int:
+    return asyncio.run(_tenants(args))
+
+
+async def _tenants(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+
+    from scheduler.tenants import TenantConfig, TenantDirectory
+
+    client = aioredis.Redis.from_url(args.redis_url, decode_responses=True)
+    directory = TenantDirectory(client)
+    try:
+        if args.tenants_command == "add":
+            limits = {k: v for k, v in vars(args).items()
+                      if v is not None and k in TenantConfig.__dataclass_fields__ and k != "name"}
+            await directory.add_tenant(TenantConfig(args.name, **limits))
+        elif args.tenants_command == "add-key":
+            await directory.add_api_key(args.key, args.tenant)
+        for tenant in await directory.list_tenants():
+            print(json.dumps(json.loads(tenant.to_json()), sort_keys=True))
+    except ValueError as e:
+        print(f"baton tenants: {e}", file=sys.stderr)
+        return 2
+    finally:
+        await client.aclose()
+    return 0
