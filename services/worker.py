@@ -286,7 +286,8 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     """Loads the engine, binds the port, registers the KV cache, and starts serving (health SERVING)."""
     engine_config = EngineConfig(model=config.model, kv_cache_memory=config.kv_cache_memory,
                                  block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                                 num_threads=config.threads)
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 long_prefill_chunk=config.long_prefill_chunk, num_threads=config.threads)
     engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, engine_config)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     port = server.add_insecure_port(f"{config.host}:{config.port}")

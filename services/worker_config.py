@@ -25,6 +25,8 @@ class WorkerConfig:
     kv_cache_memory: int = 256 << 20
     block_size: int = 16
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # tokens per engine step (prefill chunks + decodes)
+    long_prefill_chunk: int = 512  # the most prompt tokens one request may prefill per step
     threads: int | None = None
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
@@ -48,6 +50,10 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    p.add_argument("--long-prefill-chunk", type=int, default=512,
+                   help="most prompt tokens one request prefills per step (chunked prefill); "
+                        "set it to the context length to turn chunking off")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--lease-ttl-s", type=float, default=30.0)
     p.add_argument("--transfer-timeout-s", type=float, default=10.0)
