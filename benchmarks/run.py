@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import engine_bench, kv_bench
+from benchmarks import engine_bench, kv_bench, scheduler_bench
 from benchmarks.report import DEFAULT_PATH, update_section
 
 # name → run(quick, command, threads, log) -> the section's Markdown
 SECTIONS: dict[str, Callable[..., str]] = {
     "engine": engine_bench.run_section,
     "kv_transfer": kv_bench.run_section,
+    "scheduler": scheduler_bench.run_section,
 }
 
 

@@ -14,11 +14,12 @@ Scripts build per-worker keys from the prefix, so this assumes one Redis (or pri
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 
@@ -29,9 +30,12 @@ log = logging.getLogger(__name__)
 WorkerRole = Literal["prefill", "decode", "both"]
 ROLES: frozenset[str] = frozenset({"prefill", "decode", "both"})
 
+# KEYS[4] is a counter: every change of a worker's prefix set gets a new ``prefix_gen``, so a
+# scheduler's local copy re-reads only the sets that changed (RegistrySnapshot).
 _REGISTER = """
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], 'prefix_gen', redis.call('INCR', KEYS[4]))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
 return 1
@@ -46,6 +50,7 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + nfields))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if ARGV[2] == '1' then
   redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[1], 'prefix_gen', redis.call('INCR', KEYS[3]))
   local first = 4 + nfields
   for i = first, #ARGV, 1000 do
     redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
@@ -72,6 +77,56 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   end
 end
 return gone
+"""
+
+# One round trip for placement: every live worker of a model (not drained), its fields, and how many
+# leading hashes of the request's chain its prefix set holds. Parsing 64 HGETALLs and 64 SMISMEMBERs
+# in Python cost ~15 ms per decision; this returns one flat row per worker.
+_SNAPSHOT = """
+local out = {}
+local chains = cjson.decode(ARGV[3])
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local row = redis.call('HGETALL', ARGV[1] .. id)
+  if #row > 0 then
+    local f = {}
+    for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
+    if f['model'] == ARGV[4] and f['draining'] ~= '1' and f['drain_requested'] ~= '1' then
+      local hit = 0
+      local set = ARGV[2] .. id
+      for _, h in ipairs(chains[f['version']] or {}) do
+        if redis.call('SISMEMBER', set, h) == 0 then break end
+        hit = hit + 1
+      end
+      table.insert(out, cjson.encode(f))
+      table.insert(out, hit)
+    end
+  end
+end
+return out
+"""
+
+# The same, for a scheduler that keeps a short-lived local copy: every live worker of the model with
+# its whole published prefix set.
+# ARGV[4]: JSON {worker id: prefix_gen} of the sets the caller already holds; those come back as 0.
+_SNAPSHOT_SETS = """
+local out = {}
+local known = cjson.decode(ARGV[4])
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local row = redis.call('HGETALL', ARGV[1] .. id)
+  if #row > 0 then
+    local f = {}
+    for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
+    if f['model'] == ARGV[3] and f['draining'] ~= '1' and f['drain_requested'] ~= '1' then
+      table.insert(out, cjson.encode(f))
+      if known[id] ~= nil and known[id] == f['prefix_gen'] then
+        table.insert(out, 0)
+      else
+        table.insert(out, redis.call('SMEMBERS', ARGV[2] .. id))
+      end
+    end
+  end
+end
+return out
 """
 
 
@@ -173,10 +228,13 @@ class WorkerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ttl_ms = max(1, round(heartbeat_timeout_s * 1000))
         self._index = f"{prefix}workers"
+        self._gen_key = f"{prefix}workers:prefix_gen"
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._set_draining = client.register_script(_SET_DRAINING)
         self._sweep = client.register_script(_SWEEP)
+        self._snapshot = client.register_script(_SNAPSHOT)
+        self._snapshot_sets = client.register_script(_SNAPSHOT_SETS)
 
     def _worker_key(self, worker_id: str) -> str:
         return f"{self._prefix}worker:{worker_id}"
@@ -189,7 +247,7 @@ class WorkerRegistry:
         """(Re)register a worker: a new incarnation, so its prefix set and the drain flag start empty."""
         fields = [*_record_fields(record), *_load_fields(load), "drain_requested", "0"]
         await self._register(keys=[self._worker_key(record.worker_id), self._prefix_key(record.worker_id),
-                                   self._index],
+                                   self._index, self._gen_key],
                              args=[self._ttl_ms, record.worker_id, *fields])
         if cached_hashes:
             await self.heartbeat(record.worker_id, load, cached_hashes)
@@ -207,7 +265,8 @@ class WorkerRegistry:
         args: list[str | int] = [self._ttl_ms, "1" if replace else "0", len(fields), *fields]
         if cached_hashes:
             args.extend(cached_hashes)
-        ok = await self._heartbeat(keys=[self._worker_key(worker_id), self._prefix_key(worker_id)], args=args)
+        ok = await self._heartbeat(keys=[self._worker_key(worker_id), self._prefix_key(worker_id), self._gen_key],
+                                   args=args)
         return bool(ok)
 
     async def deregister(self, worker_id: str) -> None:
@@ -269,6 +328,35 @@ class WorkerRegistry:
         for worker_id in gone:
             log.warning("worker %s missed its heartbeats for %.1fs: evicted", worker_id, self.heartbeat_timeout_s)
         return gone
+
+    async def placement_snapshot(self, model: str, chains: Mapping[str, Sequence[str]]
+                                 ) -> list[tuple[WorkerView, int]]:
+        """Every live, undrained worker of ``model`` with its prefix overlap (the leading run it holds
+        of ``chains[its version]``, the request's hash chain as that version's cache computes it), in
+        one round trip — all a placement decision reads from the registry."""
+        blob = json.dumps({v: list(h) for v, h in chains.items()}) if chains else "{}"
+        raw = await self._snapshot(keys=[self._index],
+                                   args=[f"{self._prefix}worker:", f"{self._prefix}prefix:", blob, model])
+        rows = cast(list[Any], raw)
+        return [(_parse_view(json.loads(rows[i])), int(rows[i + 1])) for i in range(0, len(rows), 2)]
+
+    async def snapshot_with_prefixes(
+        self, model: str, known: Mapping[str, tuple[str, frozenset[str]]] | None = None
+    ) -> list[tuple[WorkerView, str, frozenset[str]]]:
+        """Every live, undrained worker of ``model`` with its prefix-set generation and set, in one
+        round trip. ``known`` (worker id → (generation, set)) is what the caller already holds: an
+        unchanged set is not sent again."""
+        known = known or {}
+        raw = cast(list[Any], await self._snapshot_sets(
+            keys=[self._index], args=[f"{self._prefix}worker:", f"{self._prefix}prefix:", model,
+                                      json.dumps({k: gen for k, (gen, _) in known.items()}) if known else "{}"]))
+        rows = []
+        for i in range(0, len(raw), 2):
+            fields = json.loads(raw[i])
+            gen = str(fields.get("prefix_gen", ""))
+            held = known[fields["worker_id"]][1] if raw[i + 1] == 0 else frozenset(raw[i + 1])
+            rows.append((_parse_view(fields), gen, held))
+        return rows
 
     async def prefix_overlap(self, worker_ids: Sequence[str], hashes: Sequence[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of a request's hash chain it holds.

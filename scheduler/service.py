@@ -32,6 +32,7 @@ from scheduler.leases import LeaseLedger
 from scheduler.placement import Candidate, NoCapacity, Placement, PlacementPolicy, Placer
 from scheduler.quota import QuotaLedger
 from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry, WorkerView
+from scheduler.snapshot import RegistrySnapshot, leading_hits
 from scheduler.tenants import TenantConfig, TenantDirectory, cache_salt
 from scheduler.versions import ModelCatalog, choose_version, in_shadow
 
@@ -86,6 +87,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.bus = CancellationBus(client, p)
         self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold))
         self._client = client
+        self.snapshot = RegistrySnapshot(self.registry)
+        self._models: tuple[float, list[str]] = (0.0, [])  # (read at, names): changes only on registration
 
     # ------------------------------------------------------------------ Place
     async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
@@ -105,29 +108,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not request.request_id:
             raise InvalidRequest("request_id is required")
         tenant = await self.tenants.resolve(request.api_key or None)
-        model = await self._model_name(request.model)
-        decode_views = await self.registry.healthy(model, roles=("decode",))
-        version = choose_version(await self.catalog.weights(model), request.request_id,
-                                 {v.record.version for v in decode_views})
-        if version is None:
-            raise Unavailable(f"no healthy decode worker serves model {model!r}")
-        decode_views = [v for v in decode_views if v.record.version == version]
-        prefill_views = await self.registry.healthy(model, version, roles=("prefill",))
-        block_size = decode_views[0].record.block_size
-        salt = cache_salt(tenant, version)
         ids = list(request.prompt_token_ids)
         if not ids:
             raise InvalidRequest("prompt_token_ids must not be empty")
-        hashes = prompt_hashes(ids, block_size, salt)
-        every = {v.worker_id: v for v in [*decode_views, *prefill_views]}
-        overlap = await self.registry.prefix_overlap(list(every), hashes)
+        model, weights, shadow = await self._catalog_view(request.model)
+        rows = await self.snapshot.workers(model)
+        version = choose_version(weights, request.request_id,
+                                 {v.record.version for v, _ in rows if v.record.serves("decode")})
+        if version is None:
+            raise Unavailable(f"no healthy decode worker serves model {model!r}")
+        rows = [(v, held) for v, held in rows if v.record.version == version]
+        block_size = rows[0][0].record.block_size
+        salt = cache_salt(tenant, version)
+        chain = prompt_hashes(ids, block_size, salt)  # exactly the chain the workers' caches compute
+        decode_views = [(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("decode")]
+        prefill_views = [(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("prefill")]
         blocks_needed = -(-(len(ids) + min(request.max_tokens, block_size)) // block_size)
         if not request.resume:
             await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
         try:
             placement = await self._place_or_wait(
-                model, tenant, request, [_candidate(v, overlap[v.worker_id]) for v in decode_views],
-                [_candidate(v, overlap[v.worker_id]) for v in prefill_views], len(ids), block_size)
+                model, tenant, request, [_candidate(v, hit) for v, hit in decode_views],
+                [_candidate(v, hit) for v, hit in prefill_views], len(ids), block_size)
         except BaseException:
             if not request.resume:  # nothing was served: give the quota back
                 await self.quota.finish(tenant, request.request_id, len(ids), 0)
@@ -137,11 +139,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                                 prefix_hit_blocks=placement.decode.hit_blocks, lease_ttl_s=self.config.lease_ttl_s)
         if placement.prefill is not None:
             resp.prefill_worker = placement.prefill.address
-        await self._add_shadow(resp, model, request.request_id)
+        await self._add_shadow(resp, model, request.request_id, shadow)
         return resp
 
+    async def _catalog_view(self, name: str) -> tuple[str, dict[str, float], tuple[str | None, float]]:
+        """The model name (or the only one served), its version weights and shadow, in one read."""
+        model = await self._model_name(name)
+        weights, shadow = await self.catalog.read(model)
+        return model, weights, shadow
+
     async def _model_name(self, name: str) -> str:
-        models = await self.catalog.models()
+        read_at, models = self._models
+        if time.monotonic() - read_at > 1.0:
+            models = await self.catalog.models()
+            self._models = (time.monotonic(), models)
         if not name:
             if len(models) == 1:
                 return models[0]
@@ -170,8 +181,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         try:
             while time.monotonic() < deadline:
                 await asyncio.sleep(self.config.queue_poll_s)
-                views = await self.registry.healthy(model, roles=("decode",))
-                fresh = {v.record.address: v for v in views}
+                fresh = {v.record.address: v for v, _ in await self.snapshot.workers(model)}
                 decode = [_candidate(fresh[c.address], c.hit_blocks) if c.address in fresh else c for c in decode]
                 try:
                     placement = self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens,
@@ -191,8 +201,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             await self.queue.remove(rid)
             await self._client.delete(ready_key)
 
-    async def _add_shadow(self, resp: pb.PlaceResponse, model: str, request_id: str) -> None:
-        shadow_version, share = await self.catalog.shadow(model)
+    async def _add_shadow(self, resp: pb.PlaceResponse, model: str, request_id: str,
+                          shadow: tuple[str | None, float]) -> None:
+        shadow_version, share = shadow
         if not shadow_version or shadow_version == resp.version or not in_shadow(request_id, share):
             return
         views = await self.registry.healthy(model, shadow_version, roles=("decode",))
@@ -238,6 +249,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             raise
         await self.registry.register(record, _load(request.load))
         await self.catalog.announce(w.model, w.version)
+        self.snapshot.invalidate(w.model)  # placeable at once, here; other replicas within max_age_s
+        self._models = (0.0, [])
         return pb.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_timeout_s / 3)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
@@ -307,7 +320,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         without persistence), so anonymous requests work again without an operator."""
         name = self.config.default_tenant
         if name and await self.tenants.get_tenant(name) is None:
-            await self.tenants.add_tenant(TenantConfig(name))
+            # Anonymous traffic of a single-team cluster: limited by capacity, not by a quota.
+            await self.tenants.add_tenant(TenantConfig(
+                name, requests_per_s=1e6, tokens_per_s=1e9, burst_s=1.0, max_concurrent=100_000,
+                max_kv_blocks=10**9, max_queue_depth=10_000))
             log.info("default tenant %r (re)created", name)
 
     async def _free_on_worker(self, address: str, request_id: str) -> None:

@@ -77,6 +77,16 @@ class ModelCatalog:
         raw = await self._r.hgetall(self._weights_key(model))
         return {str(v): float(w) for v, w in raw.items()}
 
+    async def read(self, model: str) -> tuple[dict[str, float], tuple[str | None, float]]:
+        """Weights and shadow setting of a model in one round trip (a placement reads both)."""
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hgetall(self._weights_key(model))
+        pipe.hgetall(self._shadow_key(model))
+        raw_weights, raw_shadow = await pipe.execute()
+        weights = {str(v): float(w) for v, w in raw_weights.items()}
+        version = str(raw_shadow["version"]) if raw_shadow.get("version") else None
+        return weights, (version, float(raw_shadow.get("share", 0.0)) if version else 0.0)
+
     async def set_weights(self, model: str, weights: Mapping[str, float]) -> dict[str, float]:
         for version, w in weights.items():
             if not (w >= 0.0):  # also rejects NaN

@@ -1,0 +1,67 @@
+"""`RegistrySnapshot`: a scheduler replica's short-lived copy of the worker registry.
+
+Workers publish their load and prefix hashes once per heartbeat (about a second apart), so reading
+the registry from Redis for every decision buys no freshness — it only costs a round trip and a
+parse of every worker's record per request. A replica re-reads at most every ``max_age_s`` (default
+50 ms, well under a heartbeat) and decides from memory in between; concurrent decisions share one
+refresh. Eviction stays prompt: a worker that misses its heartbeats is gone from the next refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from scheduler.registry import WorkerRegistry, WorkerView
+
+
+def leading_hits(held: frozenset[str], chain: Sequence[str]) -> int:
+    """How many leading blocks of a request's hash chain a worker holds (the first miss ends it)."""
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+class RegistrySnapshot:
+    """Per model: the live workers and their prefix sets. A decision never waits for a refresh unless
+    the copy is older than ``max_stale_s``: past ``max_age_s`` it gets the current copy while one
+    background refresh re-reads the registry (only the prefix sets that changed come back)."""
+
+    def __init__(self, registry: WorkerRegistry, max_age_s: float = 0.05, max_stale_s: float = 1.0) -> None:
+        self.registry = registry
+        self.max_age_s = max_age_s
+        self.max_stale_s = max_stale_s
+        self._data: dict[str, tuple[float, list[tuple[WorkerView, frozenset[str]]]]] = {}
+        self._sets: dict[str, dict[str, tuple[str, frozenset[str]]]] = {}  # model → id → (generation, set)
+        self._pending: dict[str, asyncio.Task[list[tuple[WorkerView, frozenset[str]]]]] = {}
+
+    async def workers(self, model: str) -> list[tuple[WorkerView, frozenset[str]]]:
+        cached = self._data.get(model)
+        age = time.monotonic() - cached[0] if cached is not None else float("inf")
+        if age <= self.max_age_s and cached is not None:
+            return cached[1]
+        task = self._pending.get(model)
+        if task is None:
+            task = self._pending[model] = asyncio.create_task(self._refresh(model))
+            task.add_done_callback(lambda t: self._pending.pop(model, None) if self._pending.get(model) is t else None)
+        if cached is not None and age <= self.max_stale_s:
+            return cached[1]  # stale-while-revalidate: the refresh lands for the next decision
+        return await asyncio.shield(task)
+
+    def invalidate(self, model: str | None = None) -> None:
+        """Forget the copy (after a registration, so a new worker is placeable at once)."""
+        if model is None:
+            self._data.clear()
+        else:
+            self._data.pop(model, None)
+
+    async def _refresh(self, model: str) -> list[tuple[WorkerView, frozenset[str]]]:
+        rows = await self.registry.snapshot_with_prefixes(model, self._sets.get(model))
+        self._sets[model] = {view.worker_id: (gen, held) for view, gen, held in rows}
+        result = [(view, held) for view, _, held in rows]
+        self._data[model] = (time.monotonic(), result)
+        return result
