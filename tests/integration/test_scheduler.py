@@ -229,3 +229,46 @@ def test_redis_outage_gives_unavailable_and_heals_itself(redis_server: Any, tiny
         print(f"placement resumed {time.monotonic() - t0:.2f} s after Redis came back (state re-announced)")
 
     run(redis_server, tiny_llama, body)
+
+
+def test_rollout_weights_route_sticky_shares_and_rollback_is_immediate(
+    redis_server: Any, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Two versions of one model (a second build: same weights, a changed config → a new digest)."""
+    import json
+    import shutil
+
+    v2_dir = tmp_path / tiny_llama.name  # same directory name → same served model name
+    shutil.copytree(tiny_llama, v2_dir)
+    config = json.loads((v2_dir / "config.json").read_text())
+    config["baton_build"] = 2
+    (v2_dir / "config.json").write_text(json.dumps(config))
+
+    async def body(c: Cluster) -> None:
+        sched = await c.start_scheduler(heartbeat_timeout_s=2.0)
+        await c.start_worker("both")
+        c.model = v2_dir
+        await c.start_worker("both")
+        listed = (await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())).versions
+        assert len(listed) == 2 and sorted(v.weight for v in listed) == [0.0, 1.0], "a new build waits at 0"
+        old = next(v.version for v in listed if v.weight == 1.0)
+        new = next(v.version for v in listed if v.weight == 0.0)
+        model = listed[0].model
+        await sched.SetRollout(scheduler_pb2.SetRolloutRequest(model=model, weights={old: 0.9, new: 0.1}))
+
+        async def place(rid: str) -> str:
+            reply = await sched.Place(scheduler_pb2.PlaceRequest(request_id=rid, prompt_token_ids=[5] * 20,
+                                                                 max_tokens=4))
+            await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant=reply.tenant))
+            return str(reply.version)
+
+        picks = [await place(f"r{i}") for i in range(200)]
+        share = picks.count(new) / len(picks)
+        print(f"canary 90/10: {picks.count(old)} old / {picks.count(new)} new of 200")
+        assert 0.05 <= share <= 0.16
+        assert [await place(f"r{i}") for i in range(20)] == picks[:20], "sticky per request id"
+        await sched.SetRollout(scheduler_pb2.SetRolloutRequest(model=model, weights={old: 1.0, new: 0.0}))
+        assert await place("right-after-rollback") == old
+        assert all([await place(f"r{i}") == old for i in range(40)]), "rollback applies to the next request"
+
+    run(redis_server, tiny_llama, body)
