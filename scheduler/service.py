@@ -24,7 +24,14 @@ from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
 from baton.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from core.errors import CapacityExceeded, InvalidRequest, ModelNotFound, ServingError, Unavailable
+from core.errors import (
+    CapacityExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    ServingError,
+    Unauthenticated,
+    Unavailable,
+)
 from core.kv_cache import hash_block
 from scheduler.cancel import CancellationBus
 from scheduler.fairness import FairQueue
@@ -53,6 +60,7 @@ class SchedulerConfig:
     queue_poll_s: float = 0.02
     reap_interval_s: float = 0.5
     default_tenant: str | None = "default"  # requests without an API key; None = keys required
+    accept_any_key: bool = False  # unknown keys also go to the default tenant (a local, single-team cluster)
     local_prefill_threshold: int = 32
 
 
@@ -107,7 +115,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     async def _place(self, request: pb.PlaceRequest) -> pb.PlaceResponse:
         if not request.request_id:
             raise InvalidRequest("request_id is required")
-        tenant = await self.tenants.resolve(request.api_key or None)
+        tenant = await self._tenant(request.api_key)
         ids = list(request.prompt_token_ids)
         if not ids:
             raise InvalidRequest("prompt_token_ids must not be empty")
@@ -142,6 +150,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         await self._add_shadow(resp, model, request.request_id, shadow)
         return resp
 
+    async def _tenant(self, api_key: str) -> TenantConfig:
+        try:
+            return await self.tenants.resolve(api_key or None)
+        except Unauthenticated:
+            if api_key and not self.config.accept_any_key:
+                raise
+        await self.ensure_default_tenant()  # Redis may have lost it (a restart without persistence)
+        return await self.tenants.resolve(None)
+
     async def _catalog_view(self, name: str) -> tuple[str, dict[str, float], tuple[str | None, float]]:
         """The model name (or the only one served), its version weights and shadow, in one read."""
         model = await self._model_name(name)
@@ -159,6 +176,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             if not models:
                 raise Unavailable("no worker has registered a model yet")
             raise InvalidRequest(f"name a model: this cluster serves {', '.join(models)}")
+        if not models:
+            raise Unavailable("no worker has registered a model yet")
         if name not in models:
             raise ModelNotFound(f"model {name!r} is not served here (served: {', '.join(models) or 'none'})")
         return name
@@ -401,6 +420,8 @@ def add_scheduler_parser(sub: Any) -> None:
     p.add_argument("--queue-timeout-s", type=float, default=d["queue_timeout_s"])
     p.add_argument("--default-tenant", default=d["default_tenant"],
                    help="tenant of requests without an API key ('' = API keys required)")
+    p.add_argument("--accept-any-key", action="store_true",
+                   help="unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)")
     p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"])
     p.set_defaults(func=run_scheduler)
 

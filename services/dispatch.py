@@ -1,10 +1,14 @@
 """`Dispatcher`: the gateway's request path, one for gRPC Session, gRPC Generate and HTTP alike.
 
 accept (request id) → validate → tokenize / chat template (thread pool, never on the event loop) →
-place → Prefill on P → first token to the client at once → Decode on D, streaming; or Decode on D
-alone for short prompts. Each request runs in its own driver task; cancelling it (client cancel,
-Cancel RPC, Session cancel, disconnect, deadline, slow reader) cancels the worker calls at once,
-so the workers drop the request at their next step and free its blocks.
+route (the scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode
+on D, streaming; or Decode on D alone. A worker that fails is left behind and the request routed again
+without it, going on from the tokens the client already has: a prefill is retried elsewhere, a failed
+KV transfer gets one fresh prefill, a decode that dies mid-stream migrates (the new worker recomputes
+the tokens already sent and streams the next ones) — each a bounded number of times. Each request runs
+in its own driver task; cancelling it (client cancel, Cancel RPC, Session cancel, disconnect, deadline,
+slow reader) cancels the worker calls at once, so the workers drop the request at their next step and
+free its blocks, and publishes the cancel on the scheduler's cancellation bus.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from baton.v1 import common_pb2, worker_pb2
 from core.errors import (
     ContextLengthExceeded,
     InvalidRequest,
+    KVTransferFailed,
     ModelLoadError,
     ModelNotFound,
     ServingError,
@@ -35,14 +40,16 @@ from core.sampling_params import MAX_SEED, SamplingParams
 from engine.tokenizer import Tokenizer
 from services import metrics
 from services.convert import FINISH_FROM_PB, sampling_to_pb
-from services.placement import Placement, Placer
+from services.placement import LeaseEvent, LeaseReport, Route, RouteQuery, Router
 from services.request_stream import Delta, Finished, RequestStream, Timings, TokenLogprob, Usage
 from services.status import as_serving_error
-from services.worker_clients import WorkerClients, worker_error
+from services.worker_clients import WorkerClients, WorkerLost, worker_error
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces: it travels in logs and headers
+MAX_WORKER_RETRIES = 2  # re-routes of a request whose worker failed before it streamed anything
+MAX_KV_RETRIES = 1  # fresh prefills after a failed KV handoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,7 @@ class Limits:
     max_prompt_tokens: int | None  # None: the model's context
     max_output_tokens: int
     max_buffered_tokens: int  # tokens a slow client may leave unread before its request fails
+    max_migrations: int = 2  # decodes moved to another worker mid-stream before the request fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,22 +85,33 @@ class GenerationRequest:
     max_tokens_to_context: bool = False  # max_tokens was not given: fill the context (chat)
     timeout_s: float | None = None  # the client's deadline, from now
     api: str = "grpc"  # for metrics: grpc | http
+    api_key: str = ""  # the client's API key ("" = the scheduler's default tenant)
 
 
 @dataclass(slots=True)
 class _Job:
-    """Driver-side state of one request: its prompt, its params and the timings gathered so far."""
+    """Driver-side state of one request: its prompt and params, where it runs, what the client has
+    been sent (what a migration resumes from), and the timings gathered so far."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float | None  # monotonic
+    api_key: str = ""
     dispatched_at: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
     decode_ms: float = 0.0
     cached_tokens: int = 0
-    decoded_any: bool = False  # a Decode call streamed at least one token
+    sent_ids: list[int] = field(default_factory=list)  # every token handed to the client's stream
+    route: Route | None = None  # the current route; None until the first one
+    stage: str = "prefill"  # of the current attempt: prefill | transfer (D pulls the KV) | decode
+    worker: str = ""  # the worker the current stage runs on
+    failed: list[str] = field(default_factory=list)  # workers this request left behind
+    lease: LeaseReport | None = None  # a KV lease on P that D has not yet taken
+    retries: int = 0
+    kv_retries: int = 0
+    migrations: int = 0
     # Aborts sent to workers after a cancel or failure; the request id stays reserved until they land,
     # so a client that reuses it at once cannot have its new request aborted by the old one's cleanup.
     aborts: list[asyncio.Task[bool]] = field(default_factory=list)
@@ -113,16 +132,17 @@ class Dispatcher:
     """Runs requests through the workers; the registry of in-flight requests for cancellation by id."""
 
     def __init__(
-        self, tokenizer: Tokenizer, model: ModelInfo, limits: Limits, placer: Placer,
+        self, tokenizer: Tokenizer, model: ModelInfo, limits: Limits, router: Router,
         workers: WorkerClients, executor: Executor,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.limits = limits
-        self.placer = placer
+        self.router = router
         self.workers = workers
         self._executor = executor
         self._in_flight: dict[str, RequestStream] = {}
+        self._jobs: dict[str, _Job] = {}
 
     @property
     def num_in_flight(self) -> int:
@@ -151,6 +171,11 @@ class Dispatcher:
         stream = self._in_flight.get(request_id)
         return stream.cancel(reason) if stream is not None else False
 
+    def route_of(self, request_id: str) -> Route | None:
+        """Where a request in flight runs now (None: unknown, ended, or not routed yet)."""
+        job = self._jobs.get(request_id)
+        return None if job is None else job.route
+
     async def shutdown(self) -> None:
         streams = list(self._in_flight.values())
         for stream in streams:
@@ -166,6 +191,7 @@ class Dispatcher:
         try:
             async with asyncio.timeout(request.timeout_s):
                 job = await self._prepare(stream.request_id, request, deadline)
+                self._jobs[job.request_id] = job
                 await self._execute(stream, job)
         except (asyncio.CancelledError, TimeoutError) as e:
             reason = "deadline" if isinstance(e, TimeoutError) else stream.cancel_reason or "shutdown"
@@ -176,6 +202,9 @@ class Dispatcher:
             outcome = err.grpc_code
             log.info("request %s failed: %s %s", stream.request_id, err.grpc_code, err.message)
         finally:
+            if job is not None and job.route is not None:  # the scheduler charged its quotas
+                self.router.finish(job.request_id, job.route, len(job.prompt_ids), len(job.sent_ids))
+            self._jobs.pop(stream.request_id, None)
             if job is not None and job.aborts:
                 try:
                     await asyncio.wait(job.aborts)  # each has its own timeout
@@ -188,6 +217,10 @@ class Dispatcher:
     def _cancelled(self, stream: RequestStream, job: _Job | None, reason: str) -> str:
         metrics.CANCELLATIONS.labels(reason).inc()
         log.info("request %s cancelled (%s) after %d tokens", stream.request_id, reason, stream.num_tokens)
+        if job is not None and job.route is not None:
+            published = self.router.cancel(job.request_id, reason)  # reaches the worker even if our call's
+            if published is not None:  # cancellation does not
+                job.aborts.append(published)
         if stream.ended:  # the slow-reader error was already set
             return "RESOURCE_EXHAUSTED"
         stream.finish(self._finished(stream, job, "cancelled", stream.num_tokens))
@@ -200,7 +233,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(self._executor, self._tokenize, request)
         params = self._check_limits(len(prompt_ids), request)
-        return _Job(rid, prompt_ids, params, deadline)
+        return _Job(rid, prompt_ids, params, deadline, request.api_key)
 
     def _tokenize(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
@@ -244,68 +277,91 @@ class Dispatcher:
             )
         params.validate_for_vocab(self.model.vocab_size)
         if params.seed is None:
-            # Seeded here, not on the worker: a decode retried after a failed KV transfer then
-            # continues exactly the stream the client already started to read.
+            # Seeded here, not on the worker: a decode retried after a failed KV transfer, or moved
+            # to another worker mid-stream, then continues exactly the stream the client is reading.
             params = replace(params, seed=secrets.randbelow(MAX_SEED))
         return params
 
     async def _execute(self, stream: RequestStream, job: _Job) -> None:
-        placement = self.placer.place(len(job.prompt_ids))
+        """Routes the request and runs it; a worker that fails is excluded and the request routed again,
+        going on from what the client already has."""
+        route = await self._route(job)
         job.dispatched_at = time.perf_counter()
-        log.info(
-            "request %s placed: prefill=%s decode=%s prompt_tokens=%d",
-            job.request_id, placement.prefill or "local", placement.decode, len(job.prompt_ids),
-        )
-        if placement.prefill is None:
-            await self._decode(stream, job, placement.decode)
-        else:
-            await self._disaggregated(stream, job, placement)
-
-    async def _disaggregated(self, stream: RequestStream, job: _Job, placement: Placement) -> None:
-        """Prefill on P, stream the first token, Decode on D; one retry with a fresh prefill if D fails
-        with UNAVAILABLE before it streamed anything (the first token stays the one already sent)."""
-        prefill_at, decode_at = placement.prefill, placement.decode
-        assert prefill_at is not None
-        first_token: int | None = None
-        for attempt in range(2):
-            prefill = await self._prefill(job, prefill_at)
-            job.prefill_ms += prefill.prefill_ms
-            job.cached_tokens = prefill.usage.cached_tokens
-            if first_token is None:
-                if not prefill.first.token_ids:
-                    raise Unavailable(f"prefill worker {prefill_at} returned no first token")
-                first_token = prefill.first.token_ids[0]
-                self._push(stream, prefill.first)
-            if prefill.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or not prefill.HasField("handle"):
-                if prefill.HasField("handle"):
-                    job.abort_on(self.workers, prefill_at)
-                reason = FINISH_FROM_PB.get(prefill.finish_reason, "stop")
-                stream.finish(self._finished(stream, job, reason, max(1, prefill.usage.completion_tokens),
-                                             prefill.stop_reason))
-                return
+        while True:
             try:
-                await self._decode(stream, job, decode_at, prefill.handle, first_token)
+                await self._attempt(stream, job, route)
                 return
             except ServingError as e:
-                # The KV pull failed (KVTransferFailed) or D was unreachable: release the lease, and
-                # give a fresh prefill one more try if the client has seen nothing after the first token.
-                await self.workers.abort(prefill_at, job.request_id)  # the request id is reused below
-                if attempt == 1 or job.decoded_any or e.grpc_code != "UNAVAILABLE":
+                if not await self._may_retry(job, e):
                     raise
-                retry = self.placer.place(len(job.prompt_ids))
-                if retry.prefill is None:
-                    raise
-                metrics.KV_TRANSFER_RETRIES.inc()
-                log.warning("request %s: decode after handoff failed (%s); retrying with a new prefill",
-                            job.request_id, e.message)
-                prefill_at, decode_at = retry.prefill, retry.decode
-            except BaseException:
-                job.abort_on(self.workers, prefill_at)  # D may never have taken the lease
-                raise
+                log.warning("request %s: %s failed on %s after %d tokens (%s); routing again without it",
+                            job.request_id, job.stage, job.failed[-1], len(job.sent_ids), e.message)
+            if len(job.sent_ids) >= job.params.max_tokens:  # the last token arrived, its finish did not
+                stream.finish(self._finished(stream, job, "length", len(job.sent_ids)))
+                return
+            route = await self._route(job)
 
-    async def _prefill(self, job: _Job, address: str) -> worker_pb2.PrefillResponse:
+    async def _route(self, job: _Job) -> Route:
+        query = RouteQuery(
+            job.request_id, [*job.prompt_ids, *job.sent_ids], job.params.max_tokens - len(job.sent_ids),
+            api_key=job.api_key, model=self.model.name, exclude=tuple(job.failed), resume=job.route is not None,
+            timeout_s=job.remaining_s(),
+        )
+        route = job.route = await self.router.route(query)
+        log.info("request %s placed: prefill=%s decode=%s prompt_tokens=%d resume_tokens=%d", job.request_id,
+                 route.prefill or "local", route.decode, len(job.prompt_ids), len(job.sent_ids))
+        return route
+
+    async def _may_retry(self, job: _Job, error: ServingError) -> bool:
+        """Whether a failed attempt may go on elsewhere; if so, which worker to leave behind."""
+        if not isinstance(error, WorkerLost | KVTransferFailed) or job.route is None:
+            return False
+        failed = job.worker
+        if job.stage == "transfer":  # D never streamed: one fresh prefill, without whichever failed
+            if job.kv_retries >= MAX_KV_RETRIES:
+                return False
+            job.kv_retries += 1
+            metrics.KV_TRANSFER_RETRIES.inc()
+            if job.route.prefill is not None and (isinstance(error, KVTransferFailed) or await self._answers(failed)):
+                failed = job.route.prefill  # D is alive: the pull failed on P's side (e.g. its lease expired)
+        elif job.stage == "decode" and job.sent_ids:  # a migration: D died mid-stream
+            if job.migrations >= self.limits.max_migrations:
+                return False
+            job.migrations += 1
+            metrics.MIGRATIONS.inc()
+        else:  # nothing streamed from this worker yet
+            if job.retries >= MAX_WORKER_RETRIES:
+                return False
+            job.retries += 1
+            metrics.WORKER_RETRIES.labels(job.stage).inc()
+        job.failed.append(failed)
+        return True
+
+    async def _answers(self, address: str) -> bool:
+        try:
+            await self.workers.info(address, timeout_s=1.0)
+        except ServingError:
+            return False
+        return True
+
+    async def _attempt(self, stream: RequestStream, job: _Job, route: Route) -> None:
+        if route.prefill is not None and len(job.sent_ids) <= 1:
+            handle = await self._prefill(stream, job, route.prefill)
+            if handle is not None:
+                await self._handoff(stream, job, route.prefill, route.decode, handle)
+            return
+        # A decode worker alone: it prefills the prompt, and on a migration recomputes what was sent.
+        job.stage, job.worker = "decode", route.decode
+        await self._decode(stream, job, route.decode)
+
+    async def _prefill(self, stream: RequestStream, job: _Job, address: str) -> common_pb2.KVHandle | None:
+        """Prefill on P; the first token goes to the client at once (unless it has it from an earlier
+        attempt). Returns the KV handle, or None when that token already ended the request."""
+        assert job.route is not None
+        job.stage, job.worker = "prefill", address
         request = worker_pb2.PrefillRequest(
             request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling=sampling_to_pb(job.params),
+            cache_salt=job.route.cache_salt,
         )
         call = self.workers.stub(address).Prefill(request, timeout=job.remaining_s())
         try:
@@ -318,27 +374,73 @@ class Dispatcher:
             raise
         finally:
             call.cancel()  # a no-op once it has finished; aborts the prefill if we were cancelled
-        return response
+        job.prefill_ms += response.prefill_ms
+        job.cached_tokens = response.usage.cached_tokens
+        if not response.first.token_ids:
+            raise Unavailable(f"prefill worker {address} returned no first token")
+        if not job.sent_ids:
+            self._push(stream, job, response.first)
+        if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or not response.HasField("handle"):
+            if response.HasField("handle"):
+                job.abort_on(self.workers, address)
+            reason = FINISH_FROM_PB.get(response.finish_reason, "stop")
+            stream.finish(self._finished(stream, job, reason, max(1, response.usage.completion_tokens),
+                                         response.stop_reason))
+            return None
+        handle = response.handle
+        ttl_s = job.route.lease_ttl_s or max(0.0, handle.expires_at - time.time())
+        job.lease = LeaseReport(handle.lease_id, job.request_id, address, job.route.decode,
+                                len(handle.block_ids), ttl_s)
+        self.router.report_lease("pinned", job.lease)
+        return handle
+
+    async def _handoff(
+        self, stream: RequestStream, job: _Job, prefill_at: str, decode_at: str, handle: common_pb2.KVHandle
+    ) -> None:
+        """Decode on D from P's KV, continuing after the first token the client already has."""
+        job.stage, job.worker = "transfer", decode_at
+        try:
+            await self._decode(stream, job, decode_at, handle)
+        except ServingError:
+            if job.lease is not None:  # D never took it; freed before a retry reuses the request id on P
+                await self.workers.abort(prefill_at, job.request_id)
+                self._end_lease(job, "aborted")
+            raise
+        except BaseException:
+            if job.lease is not None:
+                job.abort_on(self.workers, prefill_at)
+                self._end_lease(job, "aborted")
+            raise
+
+    def _end_lease(self, job: _Job, event: LeaseEvent) -> None:
+        if job.lease is not None:
+            self.router.report_lease(event, job.lease)
+            job.lease = None
 
     async def _decode(
-        self, stream: RequestStream, job: _Job, address: str,
-        handle: common_pb2.KVHandle | None = None, first_token: int | None = None,
+        self, stream: RequestStream, job: _Job, address: str, handle: common_pb2.KVHandle | None = None
     ) -> None:
-        """Streams D's tokens to the client; with a handle D pulls the KV and starts after first_token."""
+        """Streams D's tokens to the client. With a handle D pulls the KV and starts after the first
+        token; without one it prefills, and first recomputes every token the client already has."""
+        assert job.route is not None
         request = worker_pb2.DecodeRequest(
             request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling=sampling_to_pb(job.params),
+            cache_salt=job.route.cache_salt,
         )
+        resumed = bool(job.sent_ids) and handle is None
         if handle is not None:
             request.handle.CopyFrom(handle)
-        if first_token is not None:
-            request.first_token = first_token
+            request.first_token = job.sent_ids[0]
+        elif resumed:
+            request.resume_token_ids.extend(job.sent_ids)
         last: worker_pb2.DecodeResponse | None = None
         call = self.workers.stub(address).Decode(request, timeout=job.remaining_s())
         try:
             async for msg in call:
+                self._end_lease(job, "released")  # D streams only once it has pulled the KV
+                job.stage = "decode"
                 if msg.delta.token_ids or msg.delta.text:
-                    job.decoded_any = True
-                    self._push(stream, msg.delta)
+                    self._push(stream, job, msg.delta)
                 if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     last = msg
         except grpc.aio.AioRpcError as e:
@@ -347,16 +449,18 @@ class Dispatcher:
             call.cancel()  # a no-op once it has finished; otherwise the worker aborts and frees blocks
         if last is None:
             raise Unavailable(f"decode worker {address} ended the stream without a finish reason")
-        job.transfer_ms, job.decode_ms = last.transfer_ms, last.decode_ms
+        job.transfer_ms += last.transfer_ms
+        job.decode_ms += last.decode_ms
         job.prefill_ms += last.prefill_ms
-        if handle is None and first_token is None:
+        if handle is None and not resumed:
             job.cached_tokens = last.usage.cached_tokens
         reason = FINISH_FROM_PB.get(last.finish_reason, "stop")
         stream.finish(self._finished(stream, job, reason, last.usage.completion_tokens or stream.num_tokens,
                                      last.stop_reason))
 
-    def _push(self, stream: RequestStream, msg: common_pb2.TokenDelta) -> None:
+    def _push(self, stream: RequestStream, job: _Job, msg: common_pb2.TokenDelta) -> None:
         first = stream.first_token_at is None
+        job.sent_ids.extend(msg.token_ids)
         stream.push(delta_from_pb(msg))
         if first and stream.first_token_at is not None:
             metrics.TTFT.observe(stream.first_token_at - stream.accepted_at)
@@ -372,7 +476,7 @@ class Dispatcher:
         queue_ms = (job.dispatched_at - stream.accepted_at) * 1e3 if job.dispatched_at else e2e_s * 1e3
         timings = Timings(queue_ms, job.prefill_ms, job.transfer_ms, job.decode_ms, ttft, e2e_s * 1e3)
         log.info(
-            "request %s finished: %s prompt=%d completion=%d ttft=%.1fms e2e=%.1fms", job.request_id, reason,
-            len(job.prompt_ids), completion_tokens, ttft, e2e_s * 1e3,
+            "request %s finished: %s prompt=%d completion=%d ttft=%.1fms e2e=%.1fms migrations=%d",
+            job.request_id, reason, len(job.prompt_ids), completion_tokens, ttft, e2e_s * 1e3, job.migrations,
         )
         return Finished(reason, Usage(len(job.prompt_ids), completion_tokens, job.cached_tokens), timings, stop_reason)

@@ -1,8 +1,9 @@
 """The gateway process: `GatewayConfig`, `baton gateway`, and `serve_gateway`, which runs the gRPC
 `baton.v1.Gateway` service (with health and reflection) and the OpenAI HTTP API on one asyncio loop.
 
-It never imports torch: tokenization and chat templates come from `engine.tokenizer`, the model's
-identity and context length from the workers' Info.
+It never imports torch: tokenization and chat templates come from `engine.tokenizer`. Requests are
+placed by the cluster scheduler (``--scheduler``), which also tells the served model, its versions and
+context length; or, without one, round-robin over configured workers, whose Info tells the model.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import asyncio
 import json
 import logging
 import signal
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -28,7 +32,7 @@ from engine.tokenizer import Tokenizer
 from services.dispatch import Dispatcher, Limits, ModelInfo
 from services.gateway_servicer import GatewayServicer
 from services.http_api import HttpApi
-from services.placement import StaticPlacer
+from services.placement import Router, SchedulerRouter, StaticRouter
 from services.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -46,21 +50,29 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051  # 0 = any free port
     http_port: int = 8000  # 0 = any free port
-    prefill_workers: tuple[str, ...] = ()
+    scheduler: str | None = None  # host:port of the cluster scheduler; None = static placement
+    scheduler_timeout: float = 30.0  # longest a Place may take (it may queue for capacity)
+    prefill_workers: tuple[str, ...] = ()  # static placement only
     decode_workers: tuple[str, ...] = ()
-    local_prefill_threshold: int = 32  # prompts shorter than this are prefilled on the decode worker
+    local_prefill_threshold: int = 32  # static: prompts shorter than this are prefilled on the decode worker
+    max_migrations: int = 2  # decodes moved to another worker mid-stream before a request fails
     max_prompt_tokens: int | None = None  # None = the model's context
     max_output_tokens: int = 4096
     max_request_bytes: int = 4 << 20
     max_streams_per_connection: int = 128
     max_session_requests: int = 64
     max_buffered_tokens: int = 1024  # tokens a client may leave unread before its request fails
-    startup_timeout: float = 120.0  # seconds to wait for every worker to answer Info
+    startup_timeout: float = 120.0  # seconds to wait for every worker (or the scheduler's first) to answer
     tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
-        if not self.decode_workers:
-            raise ValueError("the gateway needs at least one decode worker (--decode-workers host:port,...)")
+        if self.scheduler and (self.decode_workers or self.prefill_workers):
+            raise ValueError("give either --scheduler or --decode-workers/--prefill-workers, not both")
+        if not self.scheduler and not self.decode_workers:
+            raise ValueError("the gateway needs a scheduler (--scheduler host:port) or at least one decode "
+                             "worker (--decode-workers host:port,...)")
+        if self.max_migrations < 0 or self.scheduler_timeout <= 0:
+            raise ValueError("max_migrations must be at least 0 and scheduler_timeout positive")
         for name in ("max_output_tokens", "max_request_bytes", "max_streams_per_connection",
                      "max_session_requests", "max_buffered_tokens", "tokenizer_threads"):
             if getattr(self, name) < 1:
@@ -82,6 +94,13 @@ def _addresses(text: str) -> tuple[str, ...]:
     return items
 
 
+def _address(text: str) -> str:
+    items = _addresses(text)
+    if len(items) != 1:
+        raise argparse.ArgumentTypeError(f"expected one host:port address, got {text!r}")
+    return items[0]
+
+
 _INT_FLAGS = {
     "max_output_tokens": "most tokens one request may generate",
     "max_request_bytes": "largest gRPC message or HTTP body accepted, e.g. 4MiB",
@@ -89,6 +108,7 @@ _INT_FLAGS = {
     "max_session_requests": "requests in flight per gRPC Session",
     "max_buffered_tokens": "tokens a client may leave unread before its request fails (slow reader)",
     "tokenizer_threads": "threads that tokenize and apply chat templates",
+    "max_migrations": "times a request's decode may move to another worker after its worker failed",
 }
 
 
@@ -101,16 +121,22 @@ def add_gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"].default)
     p.add_argument("--http-port", type=int, default=d["http_port"].default)
-    p.add_argument("--prefill-workers", type=_addresses, default=(), help="host:port,... of prefill workers")
-    p.add_argument("--decode-workers", type=_addresses, required=True, help="host:port,... of decode workers")
+    p.add_argument("--scheduler", type=_address, default=None,
+                   help="host:port of the cluster scheduler, which places every request")
+    p.add_argument("--scheduler-timeout", type=float, default=d["scheduler_timeout"].default,
+                   help="seconds a placement may take, queueing included (default: %(default)s)")
+    p.add_argument("--prefill-workers", type=_addresses, default=(),
+                   help="without a scheduler: host:port,... of prefill workers")
+    p.add_argument("--decode-workers", type=_addresses, default=(),
+                   help="without a scheduler: host:port,... of decode workers")
     p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"].default,
-                   help="prompts shorter than this many tokens are prefilled on the decode worker")
+                   help="without a scheduler: prompts shorter than this many tokens are prefilled on the decode worker")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     for name, what in _INT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=parse_bytes if name == "max_request_bytes" else int,
                        default=d[name].default, help=f"{what} (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=d["startup_timeout"].default,
-                   help="seconds to wait for the workers at start-up")
+                   help="seconds to wait for the workers (or a worker registered with the scheduler) at start-up")
     p.set_defaults(func=run_gateway)
 
 
@@ -143,7 +169,7 @@ class GatewayServer:
     def __init__(
         self, config: GatewayConfig, grpc_server: grpc.aio.Server, runner: web.AppRunner, grpc_port: int,
         http_port: int, dispatcher: Dispatcher, workers: WorkerClients, executor: ThreadPoolExecutor,
-        health_task: asyncio.Task[None],
+        health_task: asyncio.Task[None], router: Router,
     ) -> None:
         self.config = config
         self.grpc_port = grpc_port
@@ -154,6 +180,7 @@ class GatewayServer:
         self._workers = workers
         self._executor = executor
         self._health_task = health_task
+        self._router = router
 
     @property
     def grpc_address(self) -> str:
@@ -168,41 +195,96 @@ class GatewayServer:
         await self.dispatcher.shutdown()
         await self._grpc_server.stop(grace_s)
         await self._runner.cleanup()
+        await self._router.close()
         await self._workers.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         log.info("gateway stopped")
 
 
-async def _load_model(
-    config: GatewayConfig, workers: WorkerClients, executor: ThreadPoolExecutor
-) -> tuple[Tokenizer, ModelInfo]:
-    """The tokenizer (off the loop) and the model version the workers serve (all must agree)."""
+Health = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]  # (serving, details for /health)
+
+
+async def _load_tokenizer(config: GatewayConfig, executor: ThreadPoolExecutor) -> tuple[Path, Tokenizer]:
     loop = asyncio.get_running_loop()
     model_dir = await loop.run_in_executor(executor, resolve_tokenizer_dir, config.model)
-    tokenizer = await loop.run_in_executor(executor, Tokenizer.from_dir, model_dir)
+    return model_dir, await loop.run_in_executor(executor, Tokenizer.from_dir, model_dir)
+
+
+async def _static_model(
+    config: GatewayConfig, workers: WorkerClients, model_dir: Path, tokenizer: Tokenizer
+) -> ModelInfo:
+    """The model version the configured workers serve (all must agree), from their Info."""
     infos = await workers.wait_ready((*config.prefill_workers, *config.decode_workers), config.startup_timeout)
     digests = {info.model_digest for info in infos.values()}
     if len(digests) != 1:
         detail = ", ".join(f"{a}: {i.model_digest}" for a, i in infos.items())
         raise Unavailable(f"the workers serve different model versions ({detail})")
     decode = [infos[a] for a in config.decode_workers]
-    model = ModelInfo(
+    return ModelInfo(
         name=config.served_model_name or decode[0].model or model_dir.name,
         version=decode[0].model_digest,
         max_model_len=min(i.max_model_len for i in decode),
         vocab_size=_vocab_size(model_dir, tokenizer),
     )
-    log.info("model %s version %s max_model_len %d", model.name, model.version, model.max_model_len)
-    return tokenizer, model
 
 
-async def _watch_workers(
-    workers: WorkerClients, addresses: tuple[str, ...], servicer: health.aio.HealthServicer
-) -> None:
-    """Keeps the gRPC health status true: NOT_SERVING while any worker is silent."""
+async def _scheduler_model(
+    config: GatewayConfig, router: SchedulerRouter, model_dir: Path, tokenizer: Tokenizer
+) -> ModelInfo:
+    """The served model from the scheduler's ListModelVersions, retried until a worker of it has
+    registered (a cluster starts in any order). Its context is the smallest of its versions'."""
+    deadline = time.monotonic() + config.startup_timeout
+    delay, problem = 0.1, "no worker has registered yet"
     while True:
+        try:
+            serving = [v for v in await router.list_versions(timeout_s=2.0) if v.num_workers > 0]
+            names = sorted({v.model for v in serving})
+            if config.served_model_name is None and len(names) > 1:
+                raise ModelLoadError(f"the scheduler serves several models ({', '.join(names)}): name the one "
+                                     "this gateway serves with --served-model-name")
+            name = config.served_model_name or (names[0] if names else "")
+            versions = [v for v in serving if v.model == name]
+            if versions:
+                break
+            if name:
+                problem = f"no worker serving {name!r} has registered"
+        except Unavailable as e:
+            problem = e.message
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"no worker was ready at the scheduler {router.address} within "
+                              f"{config.startup_timeout:g} s: {problem}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+    main = max(versions, key=lambda v: (v.weight, v.num_workers, v.version))
+    return ModelInfo(name=name, version=main.version, max_model_len=min(v.max_model_len for v in versions),
+                     vocab_size=_vocab_size(model_dir, tokenizer))
+
+
+def _static_health(workers: WorkerClients, addresses: tuple[str, ...]) -> Health:
+    async def check() -> tuple[bool, dict[str, Any]]:
         problems = await workers.probe(addresses)
         ok = all(p is None for p in problems.values())
+        return ok, {"workers": {a: "ok" if p is None else p for a, p in problems.items()}}
+
+    return check
+
+
+def _scheduler_health(router: SchedulerRouter, model: str) -> Health:
+    async def check() -> tuple[bool, dict[str, Any]]:
+        try:
+            versions = await router.list_versions(model, timeout_s=1.0)
+        except Unavailable as e:
+            return False, {"scheduler": e.message}
+        num_workers = {v.version: v.num_workers for v in versions}
+        return sum(num_workers.values()) > 0, {"scheduler": "ok", "workers_per_version": num_workers}
+
+    return check
+
+
+async def _watch_health(check: Health, servicer: health.aio.HealthServicer) -> None:
+    """Keeps the gRPC health status true: NOT_SERVING while a worker (or the scheduler) is silent."""
+    while True:
+        ok, _ = await check()
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", GATEWAY_SERVICE):
             await servicer.set(service, status)
@@ -242,30 +324,57 @@ async def _http_server(config: GatewayConfig, http: HttpApi) -> tuple[web.AppRun
     return runner, int(runner.addresses[0][1])
 
 
+async def _routing(
+    config: GatewayConfig, workers: WorkerClients, executor: ThreadPoolExecutor
+) -> tuple[Tokenizer, ModelInfo, Router, Health]:
+    """The tokenizer, the served model, the router and the health check, for a scheduler or static workers."""
+    model_dir, tokenizer = await _load_tokenizer(config, executor)
+    if config.scheduler:
+        router = SchedulerRouter(config.scheduler, config.scheduler_timeout)
+        try:
+            model = await _scheduler_model(config, router, model_dir, tokenizer)
+        except BaseException:
+            await router.close()
+            raise
+        check = _scheduler_health(router, model.name)
+        log.info("model %s version %s max_model_len %d (scheduler %s)", model.name, model.version,
+                 model.max_model_len, config.scheduler)
+        return tokenizer, model, router, check
+    model = await _static_model(config, workers, model_dir, tokenizer)
+    static = StaticRouter(config.prefill_workers, config.decode_workers, config.local_prefill_threshold)
+    addresses = tuple(dict.fromkeys((*config.prefill_workers, *config.decode_workers)))
+    log.info("model %s version %s max_model_len %d (static placement)", model.name, model.version,
+             model.max_model_len)
+    return tokenizer, model, static, _static_health(workers, addresses)
+
+
 async def serve_gateway(config: GatewayConfig) -> GatewayServer:
-    """Starts the gateway on the running loop once every worker answers; returns the running server."""
+    """Starts the gateway on the running loop once the model is known; returns the running server."""
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-tokenizer")
     workers = WorkerClients()
+    router: Router | None = None
     try:
-        tokenizer, model = await _load_model(config, workers, executor)
-        limits = Limits(config.max_prompt_tokens, config.max_output_tokens, config.max_buffered_tokens)
-        placer = StaticPlacer(config.prefill_workers, config.decode_workers, config.local_prefill_threshold)
-        dispatcher = Dispatcher(tokenizer, model, limits, placer, workers, executor)
+        tokenizer, model, router, check = await _routing(config, workers, executor)
+        limits = Limits(config.max_prompt_tokens, config.max_output_tokens, config.max_buffered_tokens,
+                        config.max_migrations)
+        dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor)
         server, health_servicer, grpc_port = _grpc_server(config, dispatcher)
         await server.start()
-        addresses = tuple(dict.fromkeys((*config.prefill_workers, *config.decode_workers)))
         try:
-            runner, http_port = await _http_server(config, HttpApi(dispatcher, workers, addresses))
+            runner, http_port = await _http_server(config, HttpApi(dispatcher, check))
         except BaseException:
             await server.stop(0)
             raise
     except BaseException:
+        if router is not None:
+            await router.close()
         await workers.close()
         executor.shutdown(wait=False)
         raise
-    health_task = asyncio.get_running_loop().create_task(_watch_workers(workers, addresses, health_servicer))
+    health_task = asyncio.get_running_loop().create_task(_watch_health(check, health_servicer))
     log.info("gateway serving gRPC on %s:%d and HTTP on %s:%d", config.host, grpc_port, config.host, http_port)
-    return GatewayServer(config, server, runner, grpc_port, http_port, dispatcher, workers, executor, health_task)
+    return GatewayServer(config, server, runner, grpc_port, http_port, dispatcher, workers, executor, health_task,
+                         router)
 
 
 async def _serve_until_signal(config: GatewayConfig) -> None:

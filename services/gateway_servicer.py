@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 import grpc
@@ -26,7 +26,16 @@ log = logging.getLogger(__name__)
 SESSION_OUTBOX = 64  # responses a Session buffers for its client before its requests' streams back up
 
 
-def generation_from_pb(msg: gateway_pb2.GenerateRequest, timeout_s: float | None) -> GenerationRequest:
+def api_key_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    """The client's API key from gRPC metadata: ``authorization: Bearer KEY`` or ``x-api-key: KEY``."""
+    values = {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
+    scheme, _, token = values.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return values.get("x-api-key", "").strip()
+
+
+def generation_from_pb(msg: gateway_pb2.GenerateRequest, timeout_s: float | None, api_key: str = "") -> GenerationRequest:
     """A GenerateRequest as the Dispatcher's input; InvalidRequest for bad sampling values."""
     which = msg.WhichOneof("input")
     if which is None:
@@ -43,6 +52,7 @@ def generation_from_pb(msg: gateway_pb2.GenerateRequest, timeout_s: float | None
         model=msg.model,
         timeout_s=timeout_s,
         api="grpc",
+        api_key=api_key,
     )
 
 
@@ -89,10 +99,12 @@ class GatewaySession:
     """
 
     def __init__(
-        self, dispatcher: Dispatcher, max_requests: int, time_remaining: Callable[[], float | None]
+        self, dispatcher: Dispatcher, max_requests: int, time_remaining: Callable[[], float | None],
+        api_key: str = "",
     ) -> None:
         self._dispatcher = dispatcher
         self._max_requests = max_requests
+        self._api_key = api_key  # the call's: every request of the session is the same tenant's
         self._time_remaining = time_remaining  # the call's deadline applies to each of its requests
         self._outbox: asyncio.Queue[gateway_pb2.SessionResponse | None] = asyncio.Queue(SESSION_OUTBOX)
         self._streams: dict[str, RequestStream] = {}
@@ -133,7 +145,7 @@ class GatewaySession:
             ))
             return
         try:
-            request = replace(generation_from_pb(msg, self._time_remaining()), request_id=rid)
+            request = replace(generation_from_pb(msg, self._time_remaining(), self._api_key), request_id=rid)
             stream = self._dispatcher.submit(request)
         except ServingError as e:
             await self._send_error(rid, e)
@@ -181,7 +193,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Session(  # noqa: N802 (gRPC method names)
         self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.SessionResponse]:
-        session = GatewaySession(self._dispatcher, self._max_session_requests, context.time_remaining)
+        session = GatewaySession(self._dispatcher, self._max_session_requests, context.time_remaining,
+                                 api_key_from_metadata(context.invocation_metadata()))
         reader = asyncio.get_running_loop().create_task(session.read(request_iterator))
         try:
             async for msg in session.responses():
@@ -194,7 +207,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining()))
+            key = api_key_from_metadata(context.invocation_metadata())
+            stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining(), key))
         except ServingError as e:
             await abort_with(context, e)
             return

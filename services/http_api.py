@@ -13,7 +13,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -32,7 +33,6 @@ from services.openai_api import (
 )
 from services.request_stream import Delta, Finished, RequestStream
 from services.status import as_serving_error
-from services.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,16 @@ REQUEST_ID = web.RequestKey("request_id", str)  # set once the request is accept
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+HealthCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]  # (serving, details for the body)
+
+
+def api_key(headers: Mapping[str, str]) -> str:
+    """The client's API key: ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` ("" = none)."""
+    auth = headers.get("Authorization", "").strip()
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip()
 
 
 def error_response(error: ServingError, status: int | None = None, request_id: str | None = None) -> web.Response:
@@ -72,10 +82,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 class HttpApi:
     """The routes, over the same `Dispatcher` the gRPC API uses."""
 
-    def __init__(self, dispatcher: Dispatcher, workers: WorkerClients, worker_addresses: Sequence[str]) -> None:
+    def __init__(self, dispatcher: Dispatcher, health_check: HealthCheck) -> None:
         self.dispatcher = dispatcher
-        self.workers = workers
-        self.worker_addresses = tuple(dict.fromkeys(worker_addresses))
+        self.health_check = health_check
         self.created = int(time.time())
 
     def app(self, max_request_bytes: int) -> web.Application:
@@ -101,14 +110,14 @@ class HttpApi:
         }]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when every worker answers Info, else 503; the body says which did not."""
-        problems = await self.workers.probe(self.worker_addresses)
-        ok = all(p is None for p in problems.values())
+        """200 when every worker answers Info (with a scheduler: it answers and has workers), else 503;
+        the body says what does not."""
+        ok, details = await self.health_check()
         body = {
             "status": "ok" if ok else "unavailable",
             "model": self.dispatcher.model.name,
             "requests_in_flight": self.dispatcher.num_in_flight,
-            "workers": {a: "ok" if p is None else p for a, p in problems.items()},
+            **details,
         }
         return web.json_response(body, status=200 if ok else 503)
 
@@ -122,7 +131,7 @@ class HttpApi:
         body = await _read_json(request)
         rid = next((request.headers[h] for h in REQUEST_ID_HEADERS if request.headers.get(h)), None)
         call = parse(body, rid)
-        stream = self.dispatcher.submit(call.request)
+        stream = self.dispatcher.submit(replace(call.request, api_key=api_key(request.headers)))
         request[REQUEST_ID] = stream.request_id
         try:
             if call.stream:

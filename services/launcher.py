@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,12 @@ class Child:
     argv: list[str]
     health_address: str
     log_path: Path
+    phase: int = 2  # started after every child of a lower phase is healthy (redis 0, scheduler 1)
+    probe: Callable[[str], bool] | None = None  # default: the gRPC health check
     proc: subprocess.Popen[bytes] | None = None
+
+    def healthy(self) -> bool:
+        return (self.probe or is_serving)(self.health_address)
 
     def start(self) -> None:
         log = open(self.log_path, "wb")  # noqa: SIM115 — closed by the child's lifetime
@@ -68,19 +74,25 @@ class Child:
 class Cluster:
     children: list[Child] = field(default_factory=list)
 
-    def start(self) -> None:
-        for c in self.children:
+    def start_phase(self, phase: int) -> list[Child]:
+        started = [c for c in self.children if c.phase == phase]
+        for c in started:
             c.start()
+        return started
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    @property
+    def phases(self) -> list[int]:
+        return sorted({c.phase for c in self.children})
+
+    def wait_healthy(self, timeout_s: float, children: list[Child] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = list(self.children)
+        pending = [c for c in (self.children if children is None else children) if c.proc is not None]
         while pending:
             for c in list(pending):
                 assert c.proc is not None
                 if c.proc.poll() is not None:
                     raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
-                if is_serving(c.health_address):
+                if c.healthy():
                     pending.remove(c)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
@@ -115,6 +127,16 @@ def is_serving(address: str) -> bool:
         return False
 
 
+def redis_ping(address: str) -> bool:
+    import redis
+
+    host, port = address.rsplit(":", 1)
+    try:
+        return bool(redis.Redis(host=host, port=int(port), socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
 def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dict[str, str]]:
     """The processes of the local cluster; returns them and the endpoints to print."""
     baton = [sys.executable, "-m", "services.cli"]
@@ -126,6 +148,21 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
     if args.threads:
         worker_common += ["--threads", str(args.threads)]
     cluster = Cluster()
+    scheduler = ""
+    if not args.static:
+        from scheduler.redis_server import redis_binary
+
+        redis_port, scheduler_port = free_port(host), free_port(host)
+        redis_url = f"redis://{host}:{redis_port}/0"
+        scheduler = f"{host}:{scheduler_port}"
+        cluster.children.append(Child(
+            "redis", [redis_binary(), "--bind", host, "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+            f"{host}:{redis_port}", log_dir / "redis.log", phase=0, probe=redis_ping))
+        cluster.children.append(Child(
+            "scheduler", [*baton, *verbose, "scheduler", "--redis-url", redis_url, "--host", host,
+                          "--port", str(scheduler_port), "--accept-any-key"],
+            scheduler, log_dir / "scheduler.log", phase=1))
+        worker_common += ["--scheduler", scheduler, "--redis-url", redis_url]
     roles = [("worker", "both")] if args.colocated else [("prefill", "prefill"), ("decode", "decode")]
     addresses: dict[str, str] = {}
     for name, role in roles:
@@ -136,13 +173,18 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
             addresses[role], log_dir / f"{name}.log"))
     grpc_port = args.grpc_port or free_port(host)
     http_port = args.http_port or free_port(host)
-    decode = addresses.get("decode", addresses.get("both", ""))
     gateway = [*baton, *verbose, "gateway", *model, "--host", host, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port), "--decode-workers", decode]
-    if "prefill" in addresses:
-        gateway += ["--prefill-workers", addresses["prefill"]]
-    cluster.children.append(Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log"))
+               "--http-port", str(http_port)]
+    if scheduler:
+        gateway += ["--scheduler", scheduler]
+    else:
+        gateway += ["--decode-workers", addresses.get("decode", addresses.get("both", ""))]
+        if "prefill" in addresses:
+            gateway += ["--prefill-workers", addresses["prefill"]]
+    cluster.children.append(Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log", phase=3))
     endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}", **addresses}
+    if scheduler:
+        endpoints["scheduler"] = scheduler
     return cluster, endpoints
 
 
@@ -164,7 +206,8 @@ def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
 Baton is up — model {model_name}
   OpenAI HTTP : {http}/v1   (health {http}/health, metrics {http}/metrics)
   gRPC        : {endpoints['grpc']}   (baton.v1.Gateway; reflection on)
-  workers     : {', '.join(f'{k} {v}' for k, v in endpoints.items() if k not in ('grpc', 'http'))}
+  workers     : {', '.join(f'{k} {v}' for k, v in endpoints.items() if k not in ('grpc', 'http', 'scheduler'))}
+  scheduler   : {endpoints.get('scheduler', 'none (static placement)')}
   logs        : {log_dir}
 
 Try it:
@@ -191,18 +234,19 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     print(f"starting {len(cluster.children)} processes (logs in {log_dir}) …", flush=True)
     try:
-        cluster.start()
         deadline = time.monotonic() + args.ready_timeout
-        while not stopping:  # poll in short slices so Ctrl-C during start-up is honoured at once
-            try:
-                cluster.wait_healthy(min(1.0, max(0.0, deadline - time.monotonic())))
-                break
-            except RuntimeError as e:
-                if "not healthy" not in str(e) or time.monotonic() > deadline:
-                    print(f"baton up: {e}", file=sys.stderr)
-                    return 1
-        if stopping:
-            return 130
+        for phase in cluster.phases:  # Redis, then the scheduler, then the workers, then the gateway
+            started = cluster.start_phase(phase)
+            while not stopping:  # poll in short slices so Ctrl-C during start-up is honoured at once
+                try:
+                    cluster.wait_healthy(min(1.0, max(0.0, deadline - time.monotonic())), started)
+                    break
+                except RuntimeError as e:
+                    if "not healthy" not in str(e) or time.monotonic() > deadline:
+                        print(f"baton up: {e}", file=sys.stderr)
+                        return 1
+            if stopping:
+                return 130
         print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
         while not stopping:
             dead = cluster.first_exited()
@@ -224,6 +268,8 @@ def add_up_parser(sub: Any) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0 = any free port)")
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     p.add_argument("--colocated", action="store_true", help="one worker with role both instead of P + D")
+    p.add_argument("--static", action="store_true",
+                   help="no Redis and no scheduler: the gateway places on the workers it is given")
     p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="per worker")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),

@@ -42,7 +42,19 @@ E2E = Histogram(
 )
 KV_TRANSFER_RETRIES = Counter(
     "baton_gateway_kv_transfer_retries",
-    "Decodes retried with a fresh prefill after a failed KV transfer.",
+    "Decodes retried with a fresh prefill after a failed KV handoff (the pull failed, or D was unreachable).",
+    registry=REGISTRY,
+)
+MIGRATIONS = Counter(
+    "baton_gateway_migrations",
+    "Decodes moved to another worker mid-stream after their worker failed (the tokens already sent are "
+    "recomputed there, not sent again).",
+    registry=REGISTRY,
+)
+WORKER_RETRIES = Counter(
+    "baton_gateway_worker_retries",
+    "Requests routed again after their worker failed before streaming anything, by stage (prefill, decode).",
+    ["stage"],
     registry=REGISTRY,
 )
 

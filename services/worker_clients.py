@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import grpc
 
 from baton.v1 import worker_pb2, worker_pb2_grpc
-from core.errors import CapacityExceeded, ServingError, Unavailable
+from core.errors import CapacityExceeded, KVTransferFailed, ServingError, Unavailable
+from services.placement import CHANNEL_OPTIONS
 from services.status import RETRY_AFTER_KEY, from_rpc_error
 
 log = logging.getLogger(__name__)
@@ -19,9 +20,20 @@ log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
 
 
+class WorkerLost(Unavailable):
+    """A worker call failed with UNAVAILABLE outside a KV transfer: the worker died, cannot be reached
+    or is shutting down. The request may go on on another worker."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
+
+
 def worker_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
     """A worker call's failure as the ServingError the client sees (keeps the worker's retry-after)."""
     err = from_rpc_error(e, address)
+    if e.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(err, KVTransferFailed):
+        return WorkerLost(f"worker {address} is unavailable: {e.details() or 'no details'}", address)
     if isinstance(err, CapacityExceeded):
         for key, value in e.trailing_metadata() or ():
             if key == RETRY_AFTER_KEY:
@@ -43,7 +55,7 @@ class WorkerClients:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

@@ -91,7 +91,7 @@ def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(tiny_u
     from core.sampling_params import SamplingParams
     from engine import LLM
 
-    assert len(tiny_up.children()) == 3, "gateway, prefill and decode workers are separate processes"
+    assert len(tiny_up.children()) == 5, "redis, scheduler, gateway, prefill and decode worker: separate processes"
     assert "curl" in tiny_up.banner, "the banner shows a ready-to-paste example"
     prompt = "def add(a, b):"
     offline = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(

@@ -1,11 +1,12 @@
-"""Test harness for the gateway's integration tests: real worker processes, a gateway on its own event
-loop in a thread of the test process, and small synchronous clients (gRPC Generate and Session, HTTP
-JSON, server-sent events)."""
+"""Test harness for the gateway's integration tests: real worker and scheduler processes, a gateway on
+its own event loop in a thread of the test process, and small synchronous clients (gRPC Generate and
+Session, HTTP JSON, server-sent events)."""
 
 from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import json
 import queue
 import re
@@ -22,39 +23,90 @@ from typing import Any
 
 import grpc
 
-from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from baton.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.gateway import GatewayConfig, GatewayServer, serve_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 FREE_TIMEOUT_S = 10.0
 
 
-class WorkerProcess:
-    """`baton worker` as a user starts it, on a port of its choosing (``--port 0``: no race for a free
-    port); its log goes to a file, which also tells the address it serves on."""
+class ServiceProcess:
+    """A `baton` subcommand as a user starts it, on a port of its choosing (``--port 0``: no race for a
+    free port); its log goes to a file, which also tells the address it serves on."""
 
-    def __init__(self, role: str, model: Path, log_dir: Path, *flags: str) -> None:
-        self.role = role
-        self.log_path = log_dir / f"worker-{role}.log"
-        cmd = [
-            sys.executable, "-m", "services.cli", "worker", "--role", role, "--model", str(model),
-            "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", "16MiB", "--threads", "1", *flags,
-        ]
+    _count = itertools.count()
+
+    def __init__(self, name: str, log_dir: Path, *args: str) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}-{next(self._count)}.log"
+        self._args = args
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = self._launch()
         self.address = ""
-        self.stub: worker_pb2_grpc.WorkerStub | None = None
 
-    def wait_ready(self, deadline: float) -> None:
+    def _launch(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "services.cli", *self._args], cwd=ROOT, stdout=self._log,
+                                stderr=subprocess.STDOUT)
+
+    def restart(self, deadline: float) -> None:
+        """Starts the same command again (after `kill`); it must bind the same address (a fixed port)."""
+        assert self.proc.poll() is not None, "restart() needs the process to have exited"
+        served, self.address = self.address, ""
+        starts = self.log_path.read_text().count("serving on")
+        self.proc = self._launch()
+        while self.log_path.read_text().count("serving on") == starts:
+            assert self.proc.poll() is None, f"{self.name} exited: {self.log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{self.name} did not restart"
+            time.sleep(0.05)
+        self.address = served
+
+    def wait_address(self, deadline: float) -> None:
         while not self.address:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.role} exited: {self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-3000:]}")
             match = re.search(r"serving on (\S+:\d+)", self.log_path.read_text())
             if match:
                 self.address = match.group(1)
             else:
-                assert time.monotonic() < deadline, f"{self.role} worker did not start: {self.log_path.read_text()}"
+                assert time.monotonic() < deadline, f"{self.name} did not start: {self.log_path.read_text()}"
                 time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to the scheduler, connections simply break."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class WorkerProcess(ServiceProcess):
+    """`baton worker` on the tiny model (16 MiB of KV cache, one thread)."""
+
+    def __init__(self, role: str, model: Path, log_dir: Path, *flags: str) -> None:
+        super().__init__(f"worker-{role}", log_dir, "worker", "--role", role, "--model", str(model),
+                         "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", "16MiB", "--threads", "1",
+                         *flags)
+        self.role = role
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+
+    def wait_ready(self, deadline: float) -> None:
+        self.wait_address(deadline)
         self.stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(self.address))
         self.info()
 
@@ -76,15 +128,23 @@ class WorkerProcess:
                 raise AssertionError(f"{self.role} worker still holds blocks after {timeout_s} s: {info}")
             time.sleep(0.005)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+
+class SchedulerProcess(ServiceProcess):
+    """`baton scheduler` over a Redis."""
+
+    def __init__(self, redis_url: str, log_dir: Path, *flags: str) -> None:
+        super().__init__("scheduler", log_dir, "scheduler", "--redis-url", redis_url, "--port", "0", *flags)
+        self.stub: scheduler_pb2_grpc.SchedulerStub | None = None
+
+    def wait_ready(self, deadline: float) -> None:
+        self.wait_address(deadline)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(self.address))
+
+    def num_workers(self) -> int:
+        """Healthy workers of every model version, as placement sees them."""
+        assert self.stub is not None
+        versions = self.stub.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(), timeout=5).versions
+        return sum(v.num_workers for v in versions)
 
 
 class GatewayThread:
@@ -147,10 +207,10 @@ class SessionClient:
 
 
 def http_json(gw: GatewayThread, path: str, body: Any = None, raw: bytes | None = None,
-              method: str | None = None) -> tuple[int, dict[str, str], Any]:
+              method: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(gw.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, dict(r.headers), json.loads(r.read())

@@ -1,4 +1,5 @@
-"""The gateway's pure parts: static placement, the bounded RequestStream, config ↔ flags, no torch."""
+"""The gateway's pure parts: static routing, API keys, scheduler errors, the bounded RequestStream,
+config ↔ flags, no torch."""
 
 from __future__ import annotations
 
@@ -12,22 +13,65 @@ import pytest
 
 from core.errors import CapacityExceeded, InvalidRequest, Unavailable
 from services.gateway import GatewayConfig, add_gateway_parser
-from services.placement import Placement, StaticPlacer
+from services.placement import Route, RouteQuery, StaticRouter
 from services.request_stream import Delta, Finished, RequestStream, Timings, Usage
 
 pytestmark = pytest.mark.unit
 
 
-def test_static_placement_round_robin_and_threshold() -> None:
-    placer = StaticPlacer(["p1", "p2"], ["d1", "d2", "d3"], local_prefill_threshold=8)
-    long = [placer.place(100) for _ in range(4)]
-    assert [p.prefill for p in long] == ["p1", "p2", "p1", "p2"]
-    assert [p.decode for p in long] == ["d1", "d2", "d3", "d1"]
-    assert placer.place(7) == Placement(decode="d2")  # short: the decode worker prefills it
-    assert placer.place(8).disaggregated
-    assert not StaticPlacer([], ["d"], 0).place(10_000).disaggregated
+def test_static_routing_round_robin_and_threshold() -> None:
+    router = StaticRouter(["p1", "p2"], ["d1", "d2", "d3"], local_prefill_threshold=8)
+    long = [router.place(100) for _ in range(4)]
+    assert [r.prefill for r in long] == ["p1", "p2", "p1", "p2"]
+    assert [r.decode for r in long] == ["d1", "d2", "d3", "d1"]
+    assert router.place(7) == Route(decode="d2")  # short: the decode worker prefills it
+    assert router.place(8).prefill is not None
+    assert StaticRouter([], ["d"], 0).place(10_000).prefill is None
     with pytest.raises(Unavailable):
-        StaticPlacer(["p"], [], 0)
+        StaticRouter(["p"], [], 0)
+
+
+def test_static_routing_skips_failed_workers() -> None:
+    router = StaticRouter(["p1", "p2"], ["d1", "d2"])
+    query = RouteQuery("r", [1] * 40, 8, exclude=("p1", "d1"))
+    routes = [asyncio.run(router.route(query)) for _ in range(3)]
+    assert {(r.prefill, r.decode) for r in routes} == {("p2", "d2")}
+    assert router.place(40, ("p1", "p2")).prefill is None  # no prefill worker left: D prefills
+    with pytest.raises(Unavailable, match="no decode worker left to try .failed: d1, d2"):
+        router.place(40, ("d1", "d2"))
+
+
+def test_api_keys_from_http_headers_and_grpc_metadata() -> None:
+    from services.gateway_servicer import api_key_from_metadata
+    from services.http_api import api_key
+
+    assert api_key({"Authorization": "Bearer sk-1"}) == "sk-1"
+    assert api_key({"Authorization": "bearer  sk-2 "}) == "sk-2"
+    assert api_key({"x-api-key": "sk-3"}) == "sk-3"
+    assert api_key({"Authorization": "Basic abc"}) == "" and api_key({}) == ""
+    assert api_key_from_metadata((("authorization", "Bearer sk-4"),)) == "sk-4"
+    assert api_key_from_metadata((("x-api-key", "sk-5"), ("user-agent", "grpc"))) == "sk-5"
+    assert api_key_from_metadata(None) == ""
+
+
+def test_scheduler_errors_keep_their_status() -> None:
+    import grpc
+
+    from core.errors import ModelNotFound, Unauthenticated
+    from services.placement import scheduler_error
+
+    class FakeError(grpc.aio.AioRpcError):  # type: ignore[misc]
+        def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+    assert isinstance(scheduler_error(FakeError(grpc.StatusCode.UNAUTHENTICATED, "invalid API key"), "s"),
+                      Unauthenticated)
+    assert isinstance(scheduler_error(FakeError(grpc.StatusCode.NOT_FOUND, "no model"), "s"), ModelNotFound)
+    busy = scheduler_error(FakeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", (("retry-after", "2.5"),)), "s")
+    assert isinstance(busy, CapacityExceeded) and busy.retry_after_s == 2.5 and busy.http_status == 429
+    down = scheduler_error(FakeError(grpc.StatusCode.UNAVAILABLE, "Redis is down"), "s:1")
+    assert isinstance(down, Unavailable) and down.http_status == 503
+    assert "Redis is down" in down.message and "scheduler s:1" in down.message
 
 
 FINISHED = Finished("stop", Usage(1, 2), Timings())
@@ -124,6 +168,12 @@ def test_flags_are_the_config_fields() -> None:
         parser.parse_args(["gateway", "--decode-workers", "nohostport"])
     with pytest.raises(ValueError, match="decode worker"):
         GatewayConfig()
+    with pytest.raises(ValueError, match="not both"):
+        GatewayConfig(scheduler="h:1", decode_workers=("h:2",))
+    scheduled = GatewayConfig.from_args(parser.parse_args(["gateway", "--scheduler", "127.0.0.1:50061"]))
+    assert scheduled.scheduler == "127.0.0.1:50061" and scheduled.decode_workers == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["gateway", "--scheduler", "a:1,b:2"])
 
 
 def test_gateway_never_imports_torch() -> None:
