@@ -92,6 +92,7 @@ class _OutputState:
     matcher: StopStringMatcher | None
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
+    continues_elsewhere: bool = False  # a handoff prefill: reaching max_tokens is not the end of the text
 
 
 class LLMEngine:
@@ -153,6 +154,7 @@ class LLMEngine:
         cache_salt: str = "",
         kv_lease_id: str | None = None,
         resume_token_ids: Sequence[int] = (),
+        continues_elsewhere: bool = False,
     ) -> Request:
         """Tokenizes and queues a request; raises InvalidRequest if it cannot ever be served.
 
@@ -163,6 +165,10 @@ class LLMEngine:
         output tokens the client already has — recomputed like a preempted request's, counted against
         ``max_tokens``, never emitted again; sampling continues at the same positions, so a seeded
         request continues exactly as it would have.
+
+        ``continues_elsewhere``: the request's ``max_tokens`` is a handoff point, not its end (a
+        prefill whose decode runs on another worker): text held back at that point (part of a
+        character, the start of a stop string) stays held back — the decode side emits it.
         """
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
         resumed = self._check_ids(resume_token_ids)
@@ -172,6 +178,7 @@ class LLMEngine:
         request.kv_lease_id = kv_lease_id
         request.output_token_ids.extend(resumed)
         self._track(request)
+        self._states[request.request_id].continues_elsewhere = continues_elsewhere
         if resumed:
             self._continue_after(request, resumed)
         self.scheduler.add_request(request)
@@ -394,7 +401,10 @@ class LLMEngine:
             state.logprobs.append(result.logprobs[rid])
         stopped_by_token = request.finish_reason is FinishReason.STOP and request.stop_reason == token
         delta = "" if stopped_by_token else state.detok.add([token])
-        if request.is_finished:
+        # At a handoff (length, more to come on the decode worker) held-back text stays held back.
+        final = request.is_finished and not (
+            state.continues_elsewhere and request.finish_reason is FinishReason.LENGTH)
+        if final:
             delta += state.detok.flush()  # a character left incomplete at the end shows as U+FFFD
         if state.matcher is not None:
             delta, hit = state.matcher.feed(delta)
@@ -404,7 +414,7 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(request, FinishReason.STOP)
                 request.stop_reason = state.matcher.stop_string
-            elif request.is_finished and not hit:
+            elif final and not hit:
                 delta += state.matcher.flush()
         out = self._make_output(request, state, delta, [token])
         if request.is_finished:

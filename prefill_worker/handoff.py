@@ -53,7 +53,9 @@ class PrefillHandoff:
         lease_id = uuid.uuid4().hex
         # One token here; min_tokens still applies to it (EOS is blocked if min_tokens >= 1).
         first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        self.engine.add_request(request_id, prompt_token_ids, first, cache_salt=cache_salt, kv_lease_id=lease_id)
+        more = params.max_tokens > 1 and len(prompt_token_ids) + 1 < self.engine.max_model_len
+        self.engine.add_request(request_id, prompt_token_ids, first, cache_salt=cache_salt, kv_lease_id=lease_id,
+                                continues_elsewhere=more)
         self._prefilling[request_id] = _Prefilling(lease_id, params, len(prompt_token_ids))
 
     def complete(self, request_id: str, out: RequestOutput) -> KVHandle | None:
