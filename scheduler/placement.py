@@ -36,6 +36,7 @@ class Candidate:
     waiting: int
     transfers: int
     hit_blocks: int  # leading blocks of this request's hash chain it holds
+    load_timestamp: float = 0.0  # when the worker measured this load (its heartbeat)
 
 
 @dataclass(frozen=True, slots=True)

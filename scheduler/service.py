@@ -9,14 +9,12 @@ that stop. A reaper expires overdue leases and tells their prefill worker to fre
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import redis.asyncio as aioredis
@@ -45,9 +43,11 @@ from scheduler.versions import ModelCatalog, choose_version, in_shadow
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig:
+class ClusterSchedulerConfig:
     """One scheduler replica. Field names are the `baton scheduler` flags."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -74,16 +74,10 @@ def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[
     return hashes
 
 
-def _candidate(view: WorkerView, hit_blocks: int) -> Candidate:
-    r, load = view.record, view.load
-    return Candidate(r.address, r.role, r.num_blocks, load.free_blocks, load.running, load.waiting,
-                     load.transfers, hit_blocks)
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[misc]  # generated, untyped
     """One replica; every piece of shared state lives in Redis."""
 
-    def __init__(self, config: SchedulerConfig, client: aioredis.Redis) -> None:
+    def __init__(self, config: ClusterSchedulerConfig, client: aioredis.Redis) -> None:
         self.config = config
         p = config.prefix
         self.registry = WorkerRegistry(client, p, config.heartbeat_timeout_s)
@@ -96,7 +90,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold))
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
-        self._models: tuple[float, list[str]] = (0.0, [])  # (read at, names): changes only on registration
+        self._models: tuple[float, list[str]] = (0.0, [])
+        self._recent: dict[str, tuple[float, int, int]] = {}  # worker → (load timestamp, blocks, requests) placed since  # (read at, names): changes only on registration
 
     # ------------------------------------------------------------------ Place
     async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
@@ -129,19 +124,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         block_size = rows[0][0].record.block_size
         salt = cache_salt(tenant, version)
         chain = prompt_hashes(ids, block_size, salt)  # exactly the chain the workers' caches compute
-        decode_views = [(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("decode")]
-        prefill_views = [(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("prefill")]
         blocks_needed = -(-(len(ids) + min(request.max_tokens, block_size)) // block_size)
+        if not any(v.record.serves("decode") and v.worker_id not in request.exclude_workers for v, _ in rows):
+            raise Unavailable(f"no other healthy decode worker serves model {model!r}")
         if not request.resume:
             await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
         try:
-            placement = await self._place_or_wait(
-                model, tenant, request, [_candidate(v, hit) for v, hit in decode_views],
-                [_candidate(v, hit) for v, hit in prefill_views], len(ids), block_size)
+            placement = await self._place_or_wait(model, version, tenant, request, chain, len(ids), block_size)
         except BaseException:
             if not request.resume:  # nothing was served: give the quota back
                 await self.quota.finish(tenant, request.request_id, len(ids), 0)
             raise
+        self._note_placement(placement, blocks_needed)
         resp = pb.PlaceResponse(tenant=tenant.name, version=version, cache_salt=salt,
                                 decode_worker=placement.decode.address,
                                 prefix_hit_blocks=placement.decode.hit_blocks, lease_ttl_s=self.config.lease_ttl_s)
@@ -182,11 +176,38 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             raise ModelNotFound(f"model {name!r} is not served here (served: {', '.join(models) or 'none'})")
         return name
 
+    async def _pools(self, model: str, version: str, chain: list[str]) -> tuple[list[Candidate], list[Candidate]]:
+        rows = [(v, held) for v, held in await self.snapshot.workers(model) if v.record.version == version]
+        decode = [self._candidate(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("decode")]
+        prefill = [self._candidate(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("prefill")]
+        return decode, prefill
+
+    def _candidate(self, view: WorkerView, hit_blocks: int) -> Candidate:
+        """A worker's load as of its last heartbeat, plus what this replica placed on it since: without
+        that, every request of a burst would see the same idle worker and pile onto it."""
+        r, load = view.record, view.load
+        since, blocks, requests = self._recent.get(r.address, (load.timestamp, 0, 0))
+        if since != load.timestamp:  # a newer heartbeat already counts them
+            self._recent.pop(r.address, None)
+            blocks = requests = 0
+        return Candidate(r.address, r.role, r.num_blocks, max(0, load.free_blocks - blocks), load.running,
+                         load.waiting + requests, load.transfers, hit_blocks, load.timestamp)
+
+    def _note_placement(self, placement: Placement, blocks: int) -> None:
+        for c, n_blocks in ((placement.decode, max(0, blocks - placement.decode.hit_blocks)), (placement.prefill, 0)):
+            if c is None:
+                continue
+            since, b, n = self._recent.get(c.address, (c.load_timestamp, 0, 0))
+            if since != c.load_timestamp:
+                b = n = 0
+            self._recent[c.address] = (c.load_timestamp, b + n_blocks, n + 1)
+
     async def _place_or_wait(
-        self, model: str, tenant: TenantConfig, request: pb.PlaceRequest, decode: list[Candidate], prefill: list[Candidate],
+        self, model: str, version: str, tenant: TenantConfig, request: pb.PlaceRequest, chain: list[str],
         num_prompt_tokens: int, block_size: int,
     ) -> Placement:
         exclude = set(request.exclude_workers)
+        decode, prefill = await self._pools(model, version, chain)
         try:
             return self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens, block_size, exclude)
         except NoCapacity:
@@ -200,8 +221,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         try:
             while time.monotonic() < deadline:
                 await asyncio.sleep(self.config.queue_poll_s)
-                fresh = {v.record.address: v for v, _ in await self.snapshot.workers(model)}
-                decode = [_candidate(fresh[c.address], c.hit_blocks) if c.address in fresh else c for c in decode]
+                decode, prefill = await self._pools(model, version, chain)  # new or undrained workers too
                 try:
                     placement = self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens,
                                                   block_size, exclude)
@@ -232,18 +252,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     # ------------------------------------------------------------------ request end, cancel, leases
     async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishResponse:
-        tenant = await self.tenants.get_tenant(request.tenant)
-        if tenant is not None:
-            await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
-        return pb.FinishResponse()
+        async def finish() -> pb.FinishResponse:
+            tenant = await self.tenants.get_tenant(request.tenant)
+            if tenant is not None:
+                await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
+            return pb.FinishResponse()
+
+        return await _unless_redis_down(context, finish())
 
     async def Cancel(self, request: pb.SchedulerCancelRequest, context: grpc.aio.ServicerContext
                      ) -> pb.SchedulerCancelResponse:
-        first = await self.bus.cancel(request.request_id, request.reason or "client")
+        first = await _unless_redis_down(context, self.bus.cancel(request.request_id, request.reason or "client"))
         return pb.SchedulerCancelResponse(first=first)
 
     async def ReportLease(self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ReportLeaseResponse:
+        return await _unless_redis_down(context, self._report_lease(request, context))
+
+    async def _report_lease(self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.ReportLeaseResponse:
         if request.event == pb.LEASE_EVENT_PINNED:
             ttl = request.ttl_s or self.config.lease_ttl_s
             lease = await self.leases.create(request.lease_id, request.request_id, request.prefill_worker,
@@ -354,6 +381,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             log.info("reaper: could not reach %s to free %s: %s", address, request_id, e.details())
 
 
+async def _unless_redis_down(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+    """Redis errors are UNAVAILABLE for the caller (who may retry), not an unknown failure."""
+    try:
+        return await call
+    except RedisError as e:
+        await _abort(context, Unavailable(f"the scheduler's state store is unavailable: {e}"))
+        raise
+
+
 def _load(msg: pb.WorkerLoad) -> WorkerLoad:
     return WorkerLoad(msg.free_blocks, msg.running, msg.waiting, msg.transfers, msg.leases, msg.draining)
 
@@ -364,82 +400,3 @@ async def _abort(context: grpc.aio.ServicerContext, error: ServingError) -> None
     if isinstance(error, CapacityExceeded):
         context.set_trailing_metadata((("retry-after", f"{error.retry_after_s:g}"),))
     await context.abort(grpc.StatusCode[error.grpc_code], error.message)
-
-
-@dataclass(slots=True)
-class SchedulerServer:
-    """A running replica: its gRPC server, Redis client and background reaper."""
-
-    server: grpc.aio.Server
-    servicer: SchedulerServicer
-    client: aioredis.Redis
-    reaper: asyncio.Task[None]
-    address: str
-
-    async def stop(self, grace_s: float = 2.0) -> None:
-        self.reaper.cancel()
-        await self.server.stop(grace_s)
-        await self.client.aclose()
-
-
-async def serve_scheduler(config: SchedulerConfig) -> SchedulerServer:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_health.v1._async import HealthServicer
-    from grpc_reflection.v1alpha import reflection
-
-    client = aioredis.Redis.from_url(config.redis_url, decode_responses=True, socket_timeout=2.0,
-                                     socket_connect_timeout=2.0)
-    servicer = SchedulerServicer(config, client)
-    await servicer.ensure_default_tenant()
-    server = grpc.aio.server()
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name, "grpc.health.v1.Health", reflection.SERVICE_NAME],
-        server)
-    await server.start()
-    for name in ("", "baton.v1.Scheduler"):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reaper = asyncio.create_task(servicer.reap_forever(), name="lease-reaper")
-    address = f"{config.host}:{port}"
-    log.info("scheduler ready on %s (redis %s)", address, config.redis_url)
-    return SchedulerServer(server, servicer, client, reaper, address)
-
-
-def add_scheduler_parser(sub: Any) -> None:
-    d = {f.name: f.default for f in fields(SchedulerConfig)}
-    p = sub.add_parser("scheduler", help="run a scheduler replica (gRPC; state in Redis)")
-    p.add_argument("--redis-url", default=d["redis_url"])
-    p.add_argument("--host", default=d["host"])
-    p.add_argument("--port", type=int, default=d["port"])
-    p.add_argument("--prefix", default=d["prefix"], help="Redis key prefix (one per cluster)")
-    p.add_argument("--heartbeat-timeout-s", type=float, default=d["heartbeat_timeout_s"])
-    p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"])
-    p.add_argument("--queue-timeout-s", type=float, default=d["queue_timeout_s"])
-    p.add_argument("--default-tenant", default=d["default_tenant"],
-                   help="tenant of requests without an API key ('' = API keys required)")
-    p.add_argument("--accept-any-key", action="store_true",
-                   help="unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)")
-    p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"])
-    p.set_defaults(func=run_scheduler)
-
-
-def run_scheduler(args: argparse.Namespace) -> int:
-    names = {f.name for f in fields(SchedulerConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values["default_tenant"] = values.get("default_tenant") or None
-    asyncio.run(_serve_until_signal(SchedulerConfig(**values)))
-    return 0
-
-
-async def _serve_until_signal(config: SchedulerConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    server = await serve_scheduler(config)
-    print(f"baton scheduler serving on {server.address} (redis {config.redis_url})", flush=True)
-    await stop.wait()
-    await server.stop()

@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     worker_config.add_worker_parser(sub)
     gateway.add_gateway_parser(sub)
     launcher.add_up_parser(sub)
-    from scheduler import service as scheduler_service
+    from scheduler import server as scheduler_server
 
-    scheduler_service.add_scheduler_parser(sub)
+    scheduler_server.add_scheduler_parser(sub)
     from scheduler import admin
 
     admin.add_models_parser(sub)

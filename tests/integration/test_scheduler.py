@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from scheduler.service import SchedulerConfig, SchedulerServer, serve_scheduler
+from scheduler.server import SchedulerServer, serve_scheduler
+from scheduler.service import ClusterSchedulerConfig
 from services.worker import WorkerServer, serve_worker
 from services.worker_config import WorkerConfig
 
@@ -47,7 +48,7 @@ class Cluster:
         self.workers: dict[str, WorkerServer] = {}
 
     async def start_scheduler(self, **kw: Any) -> scheduler_pb2_grpc.SchedulerStub:
-        self.scheduler = await serve_scheduler(SchedulerConfig(redis_url=self.redis_url, port=0, **kw))
+        self.scheduler = await serve_scheduler(ClusterSchedulerConfig(redis_url=self.redis_url, port=0, **kw))
         return scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(self.scheduler.address))
 
     async def start_worker(self, role: str) -> tuple[str, worker_pb2_grpc.WorkerStub]:
@@ -106,6 +107,12 @@ def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server:
         assert placed.tenant == "default" and placed.cache_salt and placed.decision_ms > 0
         short = await sched.Place(scheduler_pb2.PlaceRequest(request_id="b", prompt_token_ids=[5, 6, 7], max_tokens=4))
         assert not short.HasField("prefill_worker")
+        # A burst between two heartbeats spreads: the scheduler counts what it placed since the last one.
+        burst = [await sched.Place(scheduler_pb2.PlaceRequest(request_id=f"burst{i}", prompt_token_ids=[9 + i] * 40,
+                                                              max_tokens=32)) for i in range(8)]
+        assert {p.decode_worker for p in burst} == {d1, d2}
+        for i in range(8):
+            await sched.Finish(scheduler_pb2.FinishRequest(request_id=f"burst{i}", tenant="default"))
 
         # Warm d1's prefix cache with the tenant's salt; its next heartbeat publishes the hashes.
         async for _ in d1_stub.Decode(worker_pb2.DecodeRequest(request_id="warm", prompt_token_ids=long_prompt,
