@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -101,9 +103,30 @@ class Membership:
         return bool(reply.known)
 
 
-async def listen_for_cancels(redis_url: str, abort: Callable[[str], object]) -> Callable[[], object]:
-    """Subscribes to the cancellation bus; ``abort(request_id)`` runs for every cancel (idempotent).
-    Returns an async stop function."""
+class RecentCancels:
+    """Request ids the bus cancelled lately. A cancel can overtake its request (the gateway gave up
+    while the call was still on its way): a worker checks here when a request arrives."""
+
+    def __init__(self, keep_s: float = 600.0, max_ids: int = 100_000) -> None:
+        self.keep_s = keep_s
+        self.max_ids = max_ids
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = time.monotonic()
+        self._ids.move_to_end(request_id)
+        cutoff = time.monotonic() - self.keep_s
+        while self._ids and (len(self._ids) > self.max_ids or next(iter(self._ids.values())) < cutoff):
+            self._ids.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+
+async def listen_for_cancels(redis_url: str, abort: Callable[[str], object], recent: RecentCancels
+                             ) -> Callable[[], Awaitable[None]]:
+    """Subscribes to the cancellation bus; ``abort(request_id)`` runs for every cancel (idempotent)
+    and the id is remembered in ``recent``. Returns an async stop function."""
     import redis.asyncio as aioredis
 
     from scheduler.cancel import CancellationBus
@@ -113,6 +136,7 @@ async def listen_for_cancels(redis_url: str, abort: Callable[[str], object]) -> 
 
     def on_cancel(request_id: str, reason: str) -> None:
         log.info("cancel of %s from the bus (%s)", request_id, reason)
+        recent.add(request_id)
         abort(request_id)
 
     bus.listen(on_cancel)

@@ -23,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from core.errors import InvalidRequest, KVTransferFailed, ServingError
+from core.errors import InvalidRequest, KVTransferFailed, RequestAborted, ServingError
 from decode_worker.handoff import DecodeHandoff
 from engine.async_engine import AsyncEngine, OutputStream
 from engine.config import EngineConfig
@@ -38,7 +38,7 @@ from services.convert import (
     layout_to_pb,
     sampling_from_pb,
 )
-from services.membership import Membership, listen_for_cancels
+from services.membership import Membership, RecentCancels, listen_for_cancels
 from services.status import abort_with
 from services.worker_config import WorkerConfig
 
@@ -65,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.decode = decode
         self.model_name = config.served_model_name or aengine.engine.model_dir.name
         self._peers: dict[str, asyncio.Future[None]] = {}  # source address → metadata fetched
+        self.recent_cancels = RecentCancels()  # filled by the cancellation bus, if this worker listens
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[LLMEngine], T]) -> T:
         try:
@@ -253,6 +254,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise InvalidRequest("request_id is required")
             if not ids:
                 raise InvalidRequest("prompt_token_ids must not be empty")
+            if rid in self.recent_cancels:  # the cancel overtook the request
+                raise RequestAborted(f"request {rid} was cancelled before it arrived")
             return rid, list(ids), sampling_from_pb(sampling)
         except ServingError as e:
             await abort_with(context, e)
@@ -314,7 +317,8 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     worker = WorkerServer(server, aengine, transport, health, address)
     if config.redis_url:
         worker.stop_bus = await listen_for_cancels(
-            config.redis_url, lambda rid: aengine.post(lambda e: servicer.abort_everywhere(e, rid)))
+            config.redis_url, lambda rid: aengine.post(lambda e: servicer.abort_everywhere(e, rid)),
+            servicer.recent_cancels)
     if config.scheduler:
         worker.membership = Membership(config.scheduler, aengine, servicer.snapshot, config.role)
         worker.membership.start()

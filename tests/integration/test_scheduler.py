@@ -173,6 +173,14 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
             last = msg
         assert last is not None and last.finish_reason == common_pb2.FINISH_REASON_CANCELLED and seen < 400
         assert not (await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="bus"))).first
+        # A cancel that overtakes its request: the worker refuses the request when it arrives.
+        await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="early"))
+        await asyncio.sleep(0.2)  # the bus delivers asynchronously
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in d_stub.Decode(worker_pb2.DecodeRequest(request_id="early", prompt_token_ids=[7] * 30,
+                                                                  sampling=long)):
+                pass
+        assert e.value.code() == grpc.StatusCode.CANCELLED and "before it arrived" in (e.value.details() or "")
 
         # The lease reaper: a prefill whose decode never comes; its lease expires and P frees the blocks.
         r = await p_stub.Prefill(worker_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(3, 60)),
