@@ -131,6 +131,14 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
     up = start_up(tmp_path)
     try:
         assert os.path.basename(up.banner.split("model ", 1)[1].split()[0]).startswith("smollm2")
+        # The ready-to-paste example in the banner works as printed.
+        example = re.search(r"curl -s (\S+) -H 'Content-Type: application/json' \\\n\s+-d '(.+)'", up.banner)
+        assert example, up.banner
+        req = urllib.request.Request(example.group(1), data=example.group(2).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())["choices"][0]["message"]["content"]
+        assert "Paris" in answer, answer
         client = OpenAI(base_url=f"{up.http}/v1", api_key="unused", timeout=120)
         model = client.models.list().data[0].id
         chunks = client.chat.completions.create(
