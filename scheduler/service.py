@@ -37,7 +37,7 @@ from scheduler.leases import LeaseLedger
 from scheduler.placement import Candidate, NoCapacity, Placement, PlacementPolicy, Placer
 from scheduler.quota import QuotaLedger
 from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry, WorkerView
-from scheduler.snapshot import RegistrySnapshot, leading_hits
+from scheduler.snapshot import RegistrySnapshot, TTLCache, leading_hits
 from scheduler.tenants import TenantConfig, TenantDirectory, cache_salt
 from scheduler.versions import ModelCatalog, choose_version, in_shadow
 
@@ -91,7 +91,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
-        self._recent: dict[str, tuple[float, int, int]] = {}  # worker → (load timestamp, blocks, requests) placed since  # (read at, names): changes only on registration
+        self._recent: dict[str, tuple[float, int, int]] = {}
+        # Tenants and keys change rarely: a revoked key stops working within 1 s on every replica.
+        self._tenant_cache: TTLCache[str, TenantConfig] = TTLCache(1.0)
+        # Rollout weights: at once on this replica (SetRollout invalidates), within 50 ms on the others.
+        self._catalog_cache: TTLCache[str, tuple[dict[str, float], tuple[str | None, float]]] = TTLCache(0.05)  # worker → (load timestamp, blocks, requests) placed since  # (read at, names): changes only on registration
 
     # ------------------------------------------------------------------ Place
     async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
@@ -145,19 +149,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         return resp
 
     async def _tenant(self, api_key: str) -> TenantConfig:
+        cached = self._tenant_cache.get(api_key)
+        if cached is not None:
+            return cached
         try:
-            return await self.tenants.resolve(api_key or None)
+            return self._tenant_cache.put(api_key, await self.tenants.resolve(api_key or None))
         except Unauthenticated:
             if api_key and not self.config.accept_any_key:
                 raise
         await self.ensure_default_tenant()  # Redis may have lost it (a restart without persistence)
-        return await self.tenants.resolve(None)
+        return self._tenant_cache.put(api_key, await self.tenants.resolve(None))
 
     async def _catalog_view(self, name: str) -> tuple[str, dict[str, float], tuple[str | None, float]]:
         """The model name (or the only one served), its version weights and shadow, in one read."""
         model = await self._model_name(name)
-        weights, shadow = await self.catalog.read(model)
-        return model, weights, shadow
+        view = self._catalog_cache.get(model)
+        if view is None:
+            view = self._catalog_cache.put(model, await self.catalog.read(model))
+        return model, view[0], view[1]
 
     async def _model_name(self, name: str) -> str:
         read_at, models = self._models
@@ -326,9 +335,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             if unknown:
                 raise InvalidRequest(f"unknown version(s) of {request.model}: {', '.join(unknown)}")
             await self.catalog.set_weights(request.model, dict(request.weights))
+            self._catalog_cache.invalidate()
             if request.HasField("shadow_version"):
                 await self.catalog.set_shadow(request.model, request.shadow_version or None,
                                               request.shadow_share if request.HasField("shadow_share") else 0.0)
+                self._catalog_cache.invalidate()
         except ValueError as e:
             await _abort(context, InvalidRequest(str(e)))
         except ServingError as e:

@@ -12,8 +12,38 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 from scheduler.registry import WorkerRegistry, WorkerView
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class TTLCache(Generic[K, V]):
+    """A replica's memory of slow-changing Redis state (tenants, rollout weights) for ``ttl_s``:
+    a decision saves a round trip; a change made on another replica shows within ``ttl_s``, and
+    one made here shows at once (``invalidate``)."""
+
+    def __init__(self, ttl_s: float, max_items: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_items = max_items
+        self._items: dict[K, tuple[float, V]] = {}
+
+    def get(self, key: K) -> V | None:
+        hit = self._items.get(key)
+        if hit is None or time.monotonic() - hit[0] > self.ttl_s:
+            return None
+        return hit[1]
+
+    def put(self, key: K, value: V) -> V:
+        if len(self._items) >= self.max_items:
+            self._items.clear()  # rare; simpler than LRU bookkeeping on the hot path
+        self._items[key] = (time.monotonic(), value)
+        return value
+
+    def invalidate(self) -> None:
+        self._items.clear()
 
 
 def leading_hits(held: frozenset[str], chain: Sequence[str]) -> int:
