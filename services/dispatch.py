@@ -1,8 +1,9 @@
 """`Dispatcher`: the gateway's request path, one for gRPC Session, gRPC Generate and HTTP alike.
 
-accept (request id) → validate → tokenize / chat template (thread pool, never on the event loop) →
-route (the scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode
-on D, streaming; or Decode on D alone. A worker that fails is left behind and the request routed again
+accept (request id) → validate and tokenize (`services.admission`, off the event loop) → route (the
+scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode on D,
+streaming; or Decode on D alone. A route that names a shadow worker mirrors the request there in the
+background (`services.shadow`). A worker that fails is left behind and the request routed again
 without it, going on from the tokens the client already has: a prefill is retried elsewhere, a failed
 KV transfer gets one fresh prefill, a decode that dies mid-stream migrates (the new worker recomputes
 the tokens already sent and streams the next ones) — each a bounded number of times. Each request runs
@@ -15,77 +16,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import secrets
 import time
 import uuid
-from collections.abc import Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 import grpc
 
 from baton.v1 import common_pb2, worker_pb2
-from core.errors import (
-    ContextLengthExceeded,
-    InvalidRequest,
-    KVTransferFailed,
-    ModelLoadError,
-    ModelNotFound,
-    ServingError,
-    Unavailable,
-)
-from core.sampling_params import MAX_SEED, SamplingParams
+from core.errors import InvalidRequest, KVTransferFailed, ServingError, Unavailable
+from core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services import metrics
+from services.admission import GenerationRequest, Limits, ModelInfo, RequestValidator, request_id_problem
 from services.convert import FINISH_FROM_PB, sampling_to_pb
 from services.placement import LeaseEvent, LeaseReport, Route, RouteQuery, Router
 from services.request_stream import Delta, Finished, RequestStream, Timings, TokenLogprob, Usage
+from services.shadow import PrimaryResult, ShadowRequest, ShadowRun, ShadowTraffic
 from services.status import as_serving_error
 from services.worker_clients import WorkerClients, WorkerLost, worker_error
 
 log = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces: it travels in logs and headers
 MAX_WORKER_RETRIES = 2  # re-routes of a request whose worker failed before it streamed anything
 MAX_KV_RETRIES = 1  # fresh prefills after a failed KV handoff
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """The served model version, as read from the workers at start-up."""
-
-    name: str
-    version: str  # the workers' model digest
-    max_model_len: int
-    vocab_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Per-request limits that protect the gateway's and the workers' memory and queues."""
-
-    max_prompt_tokens: int | None  # None: the model's context
-    max_output_tokens: int
-    max_buffered_tokens: int  # tokens a slow client may leave unread before its request fails
-    max_migrations: int = 2  # decodes moved to another worker mid-stream before the request fails
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """One client request as a frontend parsed it; exactly one of prompt, prompt_token_ids, messages."""
-
-    params: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[Mapping[str, Any], ...] | None = None
-    request_id: str | None = None  # the client's idempotency key; None = a new UUID
-    model: str = ""  # empty = the served model
-    max_tokens_to_context: bool = False  # max_tokens was not given: fill the context (chat)
-    timeout_s: float | None = None  # the client's deadline, from now
-    api: str = "grpc"  # for metrics: grpc | http
-    api_key: str = ""  # the client's API key ("" = the scheduler's default tenant)
 
 
 @dataclass(slots=True)
@@ -112,6 +66,7 @@ class _Job:
     retries: int = 0
     kv_retries: int = 0
     migrations: int = 0
+    shadow: ShadowRun | None = None  # the request mirrored to a shadow version, if the route named one
     # Aborts sent to workers after a cancel or failure; the request id stays reserved until they land,
     # so a client that reuses it at once cannot have its new request aborted by the old one's cleanup.
     aborts: list[asyncio.Task[bool]] = field(default_factory=list)
@@ -133,14 +88,15 @@ class Dispatcher:
 
     def __init__(
         self, tokenizer: Tokenizer, model: ModelInfo, limits: Limits, router: Router,
-        workers: WorkerClients, executor: Executor,
+        workers: WorkerClients, executor: Executor, shadows: ShadowTraffic | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.limits = limits
         self.router = router
         self.workers = workers
-        self._executor = executor
+        self.validator = RequestValidator(tokenizer, model, limits, executor)
+        self.shadows = shadows or ShadowTraffic(workers)
         self._in_flight: dict[str, RequestStream] = {}
         self._jobs: dict[str, _Job] = {}
 
@@ -151,10 +107,8 @@ class Dispatcher:
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Accepts a request and starts its driver; raises InvalidRequest for a bad or duplicate id."""
         rid = request.request_id or uuid.uuid4().hex
-        problem = None
-        if not _REQUEST_ID.fullmatch(rid):
-            problem = "request_id must be 1 to 128 printable ASCII characters without spaces"
-        elif rid in self._in_flight:
+        problem = request_id_problem(rid)
+        if problem is None and rid in self._in_flight:
             problem = f"request id {rid!r} is already in flight"
         if problem is not None:
             metrics.REQUESTS.labels(request.api, "INVALID_ARGUMENT").inc()
@@ -181,6 +135,7 @@ class Dispatcher:
         for stream in streams:
             stream.cancel("shutdown")
         await asyncio.sleep(0)
+        await self.shadows.close()
 
     # --- one request ---------------------------------------------------------------------------
 
@@ -190,7 +145,8 @@ class Dispatcher:
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
         try:
             async with asyncio.timeout(request.timeout_s):
-                job = await self._prepare(stream.request_id, request, deadline)
+                prompt_ids, params = await self.validator.prepare(request)
+                job = _Job(stream.request_id, prompt_ids, params, deadline, request.api_key)
                 self._jobs[job.request_id] = job
                 await self._execute(stream, job)
         except (asyncio.CancelledError, TimeoutError) as e:
@@ -204,6 +160,8 @@ class Dispatcher:
         finally:
             if job is not None and job.route is not None:  # the scheduler charged its quotas
                 self.router.finish(job.request_id, job.route, len(job.prompt_ids), len(job.sent_ids))
+            if job is not None and job.shadow is not None:
+                self._end_shadow(stream, job.shadow, job.sent_ids, outcome)
             self._jobs.pop(stream.request_id, None)
             if job is not None and job.aborts:
                 try:
@@ -226,67 +184,24 @@ class Dispatcher:
         stream.finish(self._finished(stream, job, "cancelled", stream.num_tokens))
         return "cancelled"
 
-    async def _prepare(self, rid: str, request: GenerationRequest, deadline: float | None) -> _Job:
-        """Validates the request against the model and the limits; tokenizes off the event loop."""
-        if request.model and request.model != self.model.name:
-            raise ModelNotFound(f"model {request.model!r} is not served here; the model is {self.model.name!r}")
-        loop = asyncio.get_running_loop()
-        prompt_ids = await loop.run_in_executor(self._executor, self._tokenize, request)
-        params = self._check_limits(len(prompt_ids), request)
-        return _Job(rid, prompt_ids, params, deadline, request.api_key)
-
-    def _tokenize(self, request: GenerationRequest) -> list[int]:
-        if request.messages is not None:
-            try:
-                ids = self.tokenizer.encode_chat(list(request.messages))
-            except ModelLoadError as e:
-                raise InvalidRequest(e.message) from None
-        elif request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt) if request.prompt else []
-        elif request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt token ids must be in [0, {self.model.vocab_size}); got {bad[0]}"
-                )
+    @staticmethod
+    def _end_shadow(stream: RequestStream, shadow: ShadowRun, sent_ids: list[int], outcome: str) -> None:
+        """Tells the request's shadow how the primary ended: compare with what the client got, or stop."""
+        if outcome == "ok":
+            ttft_s = (stream.first_token_at or stream.accepted_at) - stream.accepted_at
+            shadow.primary_finished(PrimaryResult(sent_ids, ttft_s, time.perf_counter() - stream.accepted_at))
         else:
-            raise InvalidRequest("the request needs a prompt, prompt token ids or messages")
-        if not ids:
-            raise InvalidRequest("the prompt must not be empty")
-        return ids
-
-    def _check_limits(self, num_prompt: int, request: GenerationRequest) -> SamplingParams:
-        params, limits, context = request.params, self.limits, self.model.max_model_len
-        max_prompt = min(limits.max_prompt_tokens or context, context)
-        if num_prompt > max_prompt:
-            raise ContextLengthExceeded(
-                f"the prompt has {num_prompt} tokens, over the limit of {max_prompt} prompt tokens"
-            )
-        if request.max_tokens_to_context:
-            room = max(1, min(limits.max_output_tokens, context - num_prompt))
-            params = replace(params, max_tokens=max(room, params.min_tokens))
-        if params.max_tokens > limits.max_output_tokens:
-            raise InvalidRequest(
-                f"max_tokens is {params.max_tokens}, over the limit of {limits.max_output_tokens} output tokens"
-            )
-        if num_prompt + params.max_tokens > context:
-            raise ContextLengthExceeded(
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{num_prompt + params.max_tokens} tokens, over the model's context of {context} tokens"
-            )
-        params.validate_for_vocab(self.model.vocab_size)
-        if params.seed is None:
-            # Seeded here, not on the worker: a decode retried after a failed KV transfer, or moved
-            # to another worker mid-stream, then continues exactly the stream the client is reading.
-            params = replace(params, seed=secrets.randbelow(MAX_SEED))
-        return params
+            shadow.cancel("cancelled" if outcome == "cancelled" else "primary_failed")
 
     async def _execute(self, stream: RequestStream, job: _Job) -> None:
         """Routes the request and runs it; a worker that fails is excluded and the request routed again,
         going on from what the client already has."""
         route = await self._route(job)
         job.dispatched_at = time.perf_counter()
+        if route.shadow_worker:
+            job.shadow = self.shadows.start(ShadowRequest(
+                job.request_id, job.prompt_ids, job.params, route.cache_salt, route.shadow_worker,
+                route.shadow_version, route.version))
         while True:
             try:
                 await self._attempt(stream, job, route)
@@ -308,8 +223,9 @@ class Dispatcher:
             timeout_s=job.remaining_s(),
         )
         route = job.route = await self.router.route(query)
-        log.info("request %s placed: prefill=%s decode=%s prompt_tokens=%d resume_tokens=%d", job.request_id,
-                 route.prefill or "local", route.decode, len(job.prompt_ids), len(job.sent_ids))
+        log.info("request %s placed: prefill=%s decode=%s prompt_tokens=%d resume_tokens=%d version=%s shadow=%s",
+                 job.request_id, route.prefill or "local", route.decode, len(job.prompt_ids), len(job.sent_ids),
+                 route.version or "-", route.shadow_worker or "-")
         return route
 
     async def _may_retry(self, job: _Job, error: ServingError) -> bool:

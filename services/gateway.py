@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -25,14 +24,16 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.v1 import gateway_pb2, gateway_pb2_grpc
+from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
 from core.units import parse_bytes
 from engine.tokenizer import Tokenizer
-from services.dispatch import Dispatcher, Limits, ModelInfo
-from services.gateway_servicer import GatewayServicer
+from services.admission import Limits, ModelInfo, load_tokenizer, vocab_size
+from services.dispatch import Dispatcher
+from services.gateway_servicer import GatewayServicer, add_gateway_servicer
 from services.http_api import HttpApi
 from services.placement import Router, SchedulerRouter, StaticRouter
+from services.shadow import ShadowTraffic
 from services.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class GatewayConfig:
     max_buffered_tokens: int = 1024  # tokens a client may leave unread before its request fails
     startup_timeout: float = 120.0  # seconds to wait for every worker (or the scheduler's first) to answer
     tokenizer_threads: int = 2
+    max_shadow_requests: int = 16  # shadow requests in flight at once; more are skipped
+    shadow_timeout: float = 120.0  # longest a shadow request may run, seconds
 
     def __post_init__(self) -> None:
         if self.scheduler and (self.decode_workers or self.prefill_workers):
@@ -71,8 +74,10 @@ class GatewayConfig:
         if not self.scheduler and not self.decode_workers:
             raise ValueError("the gateway needs a scheduler (--scheduler host:port) or at least one decode "
                              "worker (--decode-workers host:port,...)")
-        if self.max_migrations < 0 or self.scheduler_timeout <= 0:
-            raise ValueError("max_migrations must be at least 0 and scheduler_timeout positive")
+        if self.max_migrations < 0 or self.scheduler_timeout <= 0 or self.shadow_timeout <= 0:
+            raise ValueError("max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive")
+        if self.max_shadow_requests < 0:
+            raise ValueError("max_shadow_requests must be at least 0 (0: no shadow traffic)")
         for name in ("max_output_tokens", "max_request_bytes", "max_streams_per_connection",
                      "max_session_requests", "max_buffered_tokens", "tokenizer_threads"):
             if getattr(self, name) < 1:
@@ -109,6 +114,7 @@ _INT_FLAGS = {
     "max_buffered_tokens": "tokens a client may leave unread before its request fails (slow reader)",
     "tokenizer_threads": "threads that tokenize and apply chat templates",
     "max_migrations": "times a request's decode may move to another worker after its worker failed",
+    "max_shadow_requests": "shadow requests (mirrored to a candidate version) in flight; more are skipped",
 }
 
 
@@ -135,32 +141,11 @@ def add_gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     for name, what in _INT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=parse_bytes if name == "max_request_bytes" else int,
                        default=d[name].default, help=f"{what} (default: %(default)s)")
+    p.add_argument("--shadow-timeout", type=float, default=d["shadow_timeout"].default,
+                   help="seconds a shadow request may run (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=d["startup_timeout"].default,
                    help="seconds to wait for the workers (or a worker registered with the scheduler) at start-up")
     p.set_defaults(func=run_gateway)
-
-
-def resolve_tokenizer_dir(model: str | None) -> Path:
-    """The model directory whose tokenizer the gateway uses, resolved without torch (as
-    `engine.loader.resolve_model_dir` does, which imports torch)."""
-    from engine import gguf_convert
-
-    if model is None:
-        return gguf_convert.prepare_default_model()
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_convert.prepare_gguf_model(path)
-    if not path.is_dir():
-        raise ModelLoadError(f"model path {str(path)!r} is not a model directory or a .gguf file")
-    return path
-
-
-def _vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
-    config = model_dir / "config.json"
-    try:
-        return int(json.loads(config.read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return tokenizer.vocab_size
 
 
 class GatewayServer:
@@ -204,12 +189,6 @@ class GatewayServer:
 Health = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]  # (serving, details for /health)
 
 
-async def _load_tokenizer(config: GatewayConfig, executor: ThreadPoolExecutor) -> tuple[Path, Tokenizer]:
-    loop = asyncio.get_running_loop()
-    model_dir = await loop.run_in_executor(executor, resolve_tokenizer_dir, config.model)
-    return model_dir, await loop.run_in_executor(executor, Tokenizer.from_dir, model_dir)
-
-
 async def _static_model(
     config: GatewayConfig, workers: WorkerClients, model_dir: Path, tokenizer: Tokenizer
 ) -> ModelInfo:
@@ -224,7 +203,7 @@ async def _static_model(
         name=config.served_model_name or decode[0].model or model_dir.name,
         version=decode[0].model_digest,
         max_model_len=min(i.max_model_len for i in decode),
-        vocab_size=_vocab_size(model_dir, tokenizer),
+        vocab_size=vocab_size(model_dir, tokenizer),
     )
 
 
@@ -257,7 +236,7 @@ async def _scheduler_model(
         delay = min(delay * 2, 1.0)
     main = max(versions, key=lambda v: (v.weight, v.num_workers, v.version))
     return ModelInfo(name=name, version=main.version, max_model_len=min(v.max_model_len for v in versions),
-                     vocab_size=_vocab_size(model_dir, tokenizer))
+                     vocab_size=vocab_size(model_dir, tokenizer))
 
 
 def _static_health(workers: WorkerClients, addresses: tuple[str, ...]) -> Health:
@@ -298,7 +277,7 @@ def _grpc_server(config: GatewayConfig, dispatcher: Dispatcher) -> tuple[grpc.ai
         ("grpc.max_concurrent_streams", config.max_streams_per_connection),
         ("grpc.so_reuseport", 0),  # a port already in use is an error, not a shared port
     ])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(dispatcher, config.max_session_requests), server)
+    add_gateway_servicer(GatewayServicer(dispatcher, config.max_session_requests), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -328,7 +307,7 @@ async def _routing(
     config: GatewayConfig, workers: WorkerClients, executor: ThreadPoolExecutor
 ) -> tuple[Tokenizer, ModelInfo, Router, Health]:
     """The tokenizer, the served model, the router and the health check, for a scheduler or static workers."""
-    model_dir, tokenizer = await _load_tokenizer(config, executor)
+    model_dir, tokenizer = await load_tokenizer(config.model, executor)
     if config.scheduler:
         router = SchedulerRouter(config.scheduler, config.scheduler_timeout)
         try:
@@ -357,7 +336,8 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
         tokenizer, model, router, check = await _routing(config, workers, executor)
         limits = Limits(config.max_prompt_tokens, config.max_output_tokens, config.max_buffered_tokens,
                         config.max_migrations)
-        dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor)
+        shadows = ShadowTraffic(workers, config.max_shadow_requests, config.shadow_timeout)
+        dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor, shadows)
         server, health_servicer, grpc_port = _grpc_server(config, dispatcher)
         await server.start()
         try:

@@ -1,7 +1,8 @@
 """The gRPC `baton.v1.Gateway` service: Session (multiplexed), Generate (one stream), Cancel, ListModels.
 
 Proto types stop here: requests become `GenerationRequest`s for the `Dispatcher`, and its events
-(`Delta`, `Finished`, `ServingError`) become messages again.
+(`Delta`, `Finished`, `ServingError`) become messages again. A request message protobuf cannot decode
+(a string field that is not UTF-8) is INVALID_ARGUMENT naming the field, not grpc's UNKNOWN.
 """
 
 from __future__ import annotations
@@ -9,21 +10,133 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from core.errors import CapacityExceeded, InvalidRequest, ServingError
+from services.admission import GenerationRequest
 from services.convert import FINISH_TO_PB, sampling_from_pb
-from services.dispatch import Dispatcher, GenerationRequest
+from services.dispatch import Dispatcher
 from services.request_stream import Delta, Finished, RequestStream
 from services.status import abort_with, as_serving_error, grpc_code
 
 log = logging.getLogger(__name__)
 
 SESSION_OUTBOX = 64  # responses a Session buffers for its client before its requests' streams back up
+
+
+@dataclass(frozen=True, slots=True)
+class UndecodableRequest:
+    """A request message protobuf refused, in place of the message: its handler answers INVALID_ARGUMENT."""
+
+    error: InvalidRequest
+    request_id: str = ""  # when it could still be read (a Session answers that request alone)
+
+
+def _strings_as_bytes(message: descriptor_pb2.DescriptorProto) -> None:
+    for f in message.field:
+        if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+            f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+    for nested in message.nested_type:
+        _strings_as_bytes(nested)
+
+
+def _bytes_twins() -> descriptor_pool.DescriptorPool:
+    """The request types with every string field turned into bytes: they parse what the real ones
+    refuse, so an error can name the field at fault and the request id."""
+    pool = descriptor_pool.DescriptorPool()
+    for file in (common_pb2.DESCRIPTOR, gateway_pb2.DESCRIPTOR):
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        for message in proto.message_type:
+            _strings_as_bytes(message)
+        pool.Add(proto)
+    return pool
+
+
+_TWINS = _bytes_twins()
+
+
+def _bad_strings(twin: Message, real: Descriptor, path: str = "") -> Iterator[tuple[str, UnicodeDecodeError]]:
+    """(field path, error) of each string that is not UTF-8, walking the twin alongside the real type."""
+    for field, value in twin.ListFields():
+        spec = real.fields_by_name[field.name]
+        values = list(value) if field.is_repeated else [value]
+        for i, v in enumerate(values):
+            name = f"{path}{field.name}" + (f"[{i}]" if field.is_repeated else "")
+            if spec.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    v.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield name, e
+            elif spec.type == FieldDescriptor.TYPE_MESSAGE and not spec.message_type.GetOptions().map_entry:
+                yield from _bad_strings(v, spec.message_type, name + ".")
+
+
+def _undecodable(cls: type[Message], data: bytes, error: DecodeError) -> UndecodableRequest:
+    name = cls.DESCRIPTOR.full_name
+    try:
+        twin = message_factory.GetMessageClass(_TWINS.FindMessageTypeByName(name)).FromString(data)
+    except DecodeError:
+        return UndecodableRequest(InvalidRequest(f"the request is not a valid {name} message: {error}"))
+    bad = list(_bad_strings(twin, cls.DESCRIPTOR))
+    if not bad:
+        return UndecodableRequest(InvalidRequest(f"the request is not a valid {name} message: {error}"))
+    field, e = bad[0]
+    message = (f"{field} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); protobuf "
+               "strings must be UTF-8 text (send token ids as prompt_token_ids)")
+    return UndecodableRequest(InvalidRequest(message), _request_id(twin))
+
+
+def _request_id(twin: Message) -> str:
+    """The request id of a twin GenerateRequest, CancelRequest or SessionRequest, if it is text."""
+    holder: Any = twin
+    if twin.DESCRIPTOR.name == "SessionRequest":
+        action = twin.WhichOneof("action")
+        holder = getattr(twin, action) if action else None
+    try:
+        return str(getattr(holder, "request_id", b"").decode("utf-8"))
+    except UnicodeDecodeError:
+        return ""
+
+
+def lenient_deserializer(cls: type[Message]) -> Callable[[bytes], Any]:
+    """``cls.FromString``, but a message protobuf refuses becomes an `UndecodableRequest`."""
+    def deserialize(data: bytes) -> Message | UndecodableRequest:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return _undecodable(cls, data, e)
+
+    return deserialize
+
+
+def add_gateway_servicer(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    """`add_GatewayServicer_to_server` with lenient request deserializers."""
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            servicer.Session, request_deserializer=lenient_deserializer(gateway_pb2.SessionRequest),
+            response_serializer=gateway_pb2.SessionResponse.SerializeToString),
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=lenient_deserializer(gateway_pb2.GenerateRequest),
+            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            servicer.Cancel, request_deserializer=lenient_deserializer(gateway_pb2.CancelRequest),
+            response_serializer=gateway_pb2.CancelResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=gateway_pb2.ListModelsRequest.FromString,
+            response_serializer=gateway_pb2.ListModelsResponse.SerializeToString),
+    }
+    service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
 
 
 def api_key_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
@@ -112,9 +225,12 @@ class GatewaySession:
         self._reading = True
         self._closed = False
 
-    async def read(self, requests: AsyncIterator[gateway_pb2.SessionRequest]) -> None:
+    async def read(self, requests: AsyncIterator[gateway_pb2.SessionRequest | UndecodableRequest]) -> None:
         try:
             async for msg in requests:
+                if isinstance(msg, UndecodableRequest):  # that request alone fails; the session goes on
+                    await self._send_error(msg.request_id, msg.error)
+                    continue
                 action = msg.WhichOneof("action")
                 if action == "generate":
                     await self._start(msg.generate)
@@ -191,7 +307,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._max_session_requests = max_session_requests
 
     async def Session(  # noqa: N802 (gRPC method names)
-        self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest | UndecodableRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.SessionResponse]:
         session = GatewaySession(self._dispatcher, self._max_session_requests, context.time_remaining,
                                  api_key_from_metadata(context.invocation_metadata()))
@@ -204,9 +321,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             session.close(cancel_reason(context))
 
     async def Generate(  # noqa: N802
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.GenerateRequest | UndecodableRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
+            if isinstance(request, UndecodableRequest):
+                raise request.error
             key = api_key_from_metadata(context.invocation_metadata())
             stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining(), key))
         except ServingError as e:
@@ -225,8 +344,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stream.cancel(cancel_reason(context))  # a no-op when it has ended
 
     async def Cancel(  # noqa: N802
-        self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.CancelRequest | UndecodableRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CancelResponse:
+        if isinstance(request, UndecodableRequest):
+            await abort_with(context, request.error)
+            raise AssertionError("unreachable: abort raises")
         return gateway_pb2.CancelResponse(found=self._dispatcher.cancel(request.request_id, "cancel_rpc"))
 
     async def ListModels(  # noqa: N802

@@ -197,6 +197,11 @@ class HttpApi:
 async def _read_json(request: web.Request) -> Any:
     raw = await request.read()  # raises 413 over client_max_size
     try:
-        return json.loads(raw)
+        text = raw.decode("utf-8-sig")  # JSON between systems is UTF-8 (RFC 8259); a BOM is tolerated
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset "
+                             f"{e.start} ({e.reason})") from None
+    try:
+        return json.loads(text)
     except ValueError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None

@@ -58,6 +58,31 @@ WORKER_RETRIES = Counter(
     registry=REGISTRY,
 )
 
+SHADOW_REQUESTS = Counter(
+    "baton_gateway_shadow_requests",
+    "Requests mirrored to a shadow version, by outcome: identical / diverged (the shadow's tokens equal / "
+    "differ from the client's), skipped (too many shadows in flight), cancelled (with the primary), "
+    "primary_failed, failed (the shadow worker failed), timeout, shutdown.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+SHADOW_IN_FLIGHT = Gauge("baton_gateway_shadow_in_flight", "Shadow requests running now.", registry=REGISTRY)
+SHADOW_AGREEMENT = Histogram(
+    "baton_gateway_shadow_agreement",
+    "Per shadowed request: the share of token positions where the shadow's output equals the client's "
+    "(a position only one reached counts as a disagreement).",
+    buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0),
+    registry=REGISTRY,
+)
+SHADOW_TTFT = Histogram(
+    "baton_gateway_shadow_ttft_seconds", "Shadow request started -> its first token (local prefill included).",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+SHADOW_E2E = Histogram(
+    "baton_gateway_shadow_e2e_seconds", "Shadow request started -> its last token.",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+
 
 def render() -> tuple[bytes, str]:
     """The exposition text and its content type."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServingError
 from core.sampling_params import SamplingParams
-from services.dispatch import GenerationRequest
+from services.admission import GenerationRequest
 from services.request_stream import Delta, Finished, TokenLogprob, Usage
 
 # Sampling fields passed to SamplingParams as they are (it checks their types and ranges).

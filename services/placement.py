@@ -67,7 +67,8 @@ class RouteQuery:
 class Route:
     """The workers of one request (``prefill`` None: the decode worker prefills it itself), and what
     the scheduler decided with them: the prefix-cache salt the workers must use, the tenant, the model
-    version, and how long a prefill worker holds the request's KV for the decode worker."""
+    version, how long a prefill worker holds the request's KV for the decode worker, and a shadow
+    worker of a candidate version to mirror the request to (never answered from)."""
 
     decode: str
     prefill: str | None = None
@@ -75,6 +76,8 @@ class Route:
     tenant: str = ""
     version: str = ""
     lease_ttl_s: float = 0.0
+    shadow_worker: str | None = None
+    shadow_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,8 @@ class SchedulerRouter:
         return Route(
             decode=resp.decode_worker, prefill=resp.prefill_worker if resp.HasField("prefill_worker") else None,
             cache_salt=resp.cache_salt, tenant=resp.tenant, version=resp.version, lease_ttl_s=resp.lease_ttl_s,
+            shadow_worker=resp.shadow_worker if resp.HasField("shadow_worker") else None,
+            shadow_version=resp.shadow_version,
         )
 
     async def _finish_cancelled(self, call: grpc.aio.UnaryUnaryCall, request_id: str) -> bool:

@@ -83,7 +83,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert handoff is not None
         rid, ids, params = await self._parse(context, request.request_id, request.prompt_token_ids, request.sampling)
         t0 = time.monotonic()
-        stream = self.aengine.open_stream(rid)
+        stream = await self._open_stream(context, rid)
         done = False
         try:
             await self._call(context, lambda e: handoff.begin(rid, ids, params, request.cache_salt))
@@ -109,6 +109,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             resp.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
         return resp
 
+    async def _open_stream(self, context: grpc.aio.ServicerContext, rid: str) -> OutputStream:
+        try:
+            return self.aengine.open_stream(rid)
+        except ServingError as e:  # the id is in use here: INVALID_ARGUMENT, not an unknown failure
+            await abort_with(context, e)
+            raise
+
     async def _final(self, stream: OutputStream) -> RequestOutput:
         while True:
             out = await stream.get()
@@ -124,7 +131,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert handoff is not None
         rid, ids, params = await self._parse(context, request.request_id, request.prompt_token_ids, request.sampling)
         t0 = time.monotonic()
-        stream = self.aengine.open_stream(rid)
+        stream = await self._open_stream(context, rid)
         finished = False
         try:
             if request.HasField("handle"):

@@ -184,6 +184,26 @@ def grpc_generate(gw: GatewayThread, request: gateway_pb2.GenerateRequest) -> tu
     return ids, text, completion
 
 
+def grpc_raw_generate(gw: GatewayThread, data: bytes) -> list[gateway_pb2.GenerateResponse]:
+    """Generate with ``data`` sent as the request message's bytes, as they are (e.g. not valid UTF-8)."""
+    call = gw.channel.unary_stream("/baton.v1.Gateway/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=gateway_pb2.GenerateResponse.FromString)
+    return list(call(data, timeout=60))
+
+
+def grpc_raw_session(gw: GatewayThread, messages: list[bytes]) -> list[gateway_pb2.SessionResponse]:
+    """A Session whose request messages are sent as the given bytes; every response until it ends."""
+    call = gw.channel.stream_stream("/baton.v1.Gateway/Session", request_serializer=lambda b: b,
+                                    response_deserializer=gateway_pb2.SessionResponse.FromString)
+    return list(call(iter(messages), timeout=60))
+
+
+def grpc_raw_cancel(gw: GatewayThread, data: bytes) -> gateway_pb2.CancelResponse:
+    call = gw.channel.unary_unary("/baton.v1.Gateway/Cancel", request_serializer=lambda b: b,
+                                  response_deserializer=gateway_pb2.CancelResponse.FromString)
+    return call(data, timeout=30)
+
+
 class SessionClient:
     """A gRPC Session driven from this thread: send() requests, next() responses."""
 

@@ -23,6 +23,9 @@ from gateway_harness import (
     SessionClient,
     WorkerProcess,
     grpc_generate,
+    grpc_raw_cancel,
+    grpc_raw_generate,
+    grpc_raw_session,
     http_json,
     sse_events,
 )
@@ -30,7 +33,7 @@ from gateway_harness import (
 from baton.v1 import common_pb2, gateway_pb2
 from core.errors import CapacityExceeded, Unavailable
 from core.sampling_params import SamplingParams
-from services.dispatch import GenerationRequest
+from services.admission import GenerationRequest
 from services.gateway import GatewayConfig, serve_gateway
 from services.request_stream import RequestStream
 
@@ -534,6 +537,10 @@ GRPC_BAD = [
      INVALID, "outside the vocabulary"),
     ("too many logprobs", dict(prompt="a", sampling=greedy(logprobs=99)), INVALID, "logprobs must be in"),
     ("bad request id", dict(request_id="has space", prompt="a", sampling=greedy()), INVALID, "request_id"),
+    ("empty messages", dict(messages=gateway_pb2.ChatMessages(), sampling=greedy()), INVALID,
+     "messages must not be empty"),
+    ("message without a role", dict(messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(
+        content="hi")]), sampling=greedy()), INVALID, "messages[0].role must be a non-empty string"),
     ("oversized message", dict(prompt="x" * (MAX_REQUEST_BYTES + 10), sampling=greedy()), EXHAUSTED, "larger than"),
 ]
 
@@ -545,6 +552,35 @@ def test_bad_grpc_inputs(disaggregated: GatewayThread, case: tuple[str, dict[str
         list(disaggregated.stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=30))
     assert info.value.code() == code, info.value.details()
     assert needle in info.value.details()
+    assert http_json(disaggregated, "/health")[0] == 200
+
+
+def test_grpc_messages_that_are_not_utf8(disaggregated: GatewayThread, offline: dict[str, Any]) -> None:
+    """A string field with bytes that are not UTF-8 (protobuf refuses the message): INVALID_ARGUMENT naming
+    the field for Generate and Cancel, an error for that request alone in a Session, which goes on."""
+    good = gateway_pb2.GenerateRequest(request_id="utf8-good", prompt=PROMPTS[0], sampling=greedy())
+    bad = gateway_pb2.GenerateRequest(request_id="utf8-bad", prompt="cafe", sampling=greedy()
+                                      ).SerializeToString().replace(b"cafe", b"caf\xe9")  # Latin-1, not UTF-8
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_raw_generate(disaggregated, bad)
+    assert info.value.code() == INVALID, info.value.details()
+    assert info.value.details().startswith("prompt is not valid UTF-8 (byte 0xe9 at offset 3)")
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_raw_cancel(disaggregated, gateway_pb2.CancelRequest(request_id="re").SerializeToString()
+                        .replace(b"re", b"r\xe9"))
+    assert info.value.code() == INVALID and "request_id is not valid UTF-8" in info.value.details()
+
+    session = grpc_raw_session(disaggregated, [
+        gateway_pb2.SessionRequest(generate=good).SerializeToString(),
+        gateway_pb2.SessionRequest(generate=gateway_pb2.GenerateRequest(
+            request_id="utf8-bad", prompt="xx", sampling=greedy())).SerializeToString().replace(b"xx", b"\xffx"),
+    ])
+    errors = {m.request_id: m.error for m in session if m.HasField("error")}
+    assert list(errors) == ["utf8-bad"] and errors["utf8-bad"].code == INVALID.value[0]
+    assert "generate.prompt is not valid UTF-8" in errors["utf8-bad"].message
+    ids = [t for m in session if m.request_id == "utf8-good" and m.HasField("delta") for t in m.delta.token_ids]
+    assert ids == offline["prompts"][0][0]  # the other request of the session was served
+    assert grpc_generate(disaggregated, good)[:2] == offline["prompts"][0]  # and the server keeps serving
     assert http_json(disaggregated, "/health")[0] == 200
 
 
@@ -566,6 +602,13 @@ HTTP_BAD: list[tuple[str, str, Any, int, str]] = [
     ("unknown field", "/v1/chat/completions", {**CHAT_OK, "frobnicate": True}, 400, "unknown field(s): frobnicate"),
     ("no messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages must be a non-empty list"),
     ("oversized body", "/v1/completions", {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}, 413, "body size"),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', 400,
+     "the request body is not valid UTF-8: byte 0xe9 at offset 15"),
+    ("unpaired surrogate in the prompt", "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400,
+     "prompt is not valid Unicode: an unpaired surrogate U+D800"),
+    ("unpaired surrogate in a message", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}', 400,
+     "messages[0].content is not valid Unicode"),
     ("unknown route", "/v1/nothing", {}, 404, "Not Found"),
 ]
 

@@ -135,6 +135,9 @@ def test_cancel_and_deadline_mid_decode_free_blocks_on_both_workers(tiny_llama: 
                 n += len(msg.delta.token_ids)
                 if n >= 5:
                     break
+            with pytest.raises(grpc.aio.AioRpcError) as dup:  # the same id while it is in flight here
+                await collect(ds.Decode(worker_pb2.DecodeRequest(request_id="c", prompt_token_ids=ids, sampling=long)))
+            assert dup.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "in use" in (dup.value.details() or "")
             call.cancel()  # the client goes away mid-stream
             for name, stub in (("decode", ds), ("prefill", ps)):
                 info, took = await wait_idle(stub)

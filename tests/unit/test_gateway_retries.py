@@ -11,7 +11,8 @@ import pytest
 from core.errors import CapacityExceeded, InvalidRequest, KVTransferFailed, ServingError, Unavailable
 from core.sampling_params import SamplingParams
 from services import metrics
-from services.dispatch import MAX_KV_RETRIES, MAX_WORKER_RETRIES, Dispatcher, Limits, ModelInfo, _Job
+from services.admission import Limits, ModelInfo
+from services.dispatch import MAX_KV_RETRIES, MAX_WORKER_RETRIES, Dispatcher, _Job
 from services.placement import Route, StaticRouter
 from services.worker_clients import WorkerLost
 
