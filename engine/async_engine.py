@@ -36,7 +36,7 @@ class OutputStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
         self.request_id = request_id
         self.max_pending = max_pending
-        self._loop = loop
+        self.loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.pushed = 0
         self.taken = 0
@@ -47,9 +47,17 @@ class OutputStream:
         return self.pushed - self.taken
 
     def push(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: queue an output (or the error that ends the stream)."""
+        """Engine thread: queue an output (or the error that ends the stream) on its own."""
         self.pushed += 1
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def stage(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread: count an output that `AsyncEngine` hands over with the rest of its step."""
+        self.pushed += 1
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Event loop: deliver a staged output."""
+        self._queue.put_nowait(item)
 
     async def get(self) -> RequestOutput:
         """Event loop: the next output; raises the error that ended the stream."""
@@ -133,8 +141,12 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self.num_steps += 1
+            staged: list[tuple[OutputStream, RequestOutput]] = []
             for out in outputs:
-                self._deliver(out)
+                self._deliver(out, staged)
+            if staged:  # one wake-up of the event loop per step, not one per request
+                loop = staged[0][0].loop
+                loop.call_soon_threadsafe(_put_all, staged)
             if not outputs and not engine.scheduler.has_unfinished:
                 self._wake.wait(TRANSFER_WAIT_S)  # only pulls in flight: poll them, don't spin
                 self._wake.clear()
@@ -152,7 +164,7 @@ class AsyncEngine:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestOutput, staged: list[tuple[OutputStream, RequestOutput]]) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
             if not out.finished:  # nobody listens (the caller went away): stop the work
@@ -169,7 +181,8 @@ class AsyncEngine:
             stream.push(CapacityExceeded(
                 f"the client did not read {stream.pending} outputs in time; request aborted", retry_after_s=0.0))
             return
-        stream.push(out)
+        stream.stage(out)
+        staged.append((stream, out))
 
     def _fail_all(self, error: Exception) -> None:
         err = error if isinstance(error, ServingError) else ServingError("internal engine error")
@@ -178,3 +191,7 @@ class AsyncEngine:
             stream.push(err)
         self._streams.clear()
 
+
+def _put_all(staged: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in staged:
+        stream.put(out)
