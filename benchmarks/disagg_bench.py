@@ -25,28 +25,24 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from benchmarks.report import MachineInfo, provenance, table
+from benchmarks.disagg_report import Summary, render_section, summary_line
+from benchmarks.report import MachineInfo, provenance
 from benchmarks.serving_harness import (
     BATON,
-    QUIET_PCT,
     REQUEST_TIMEOUT_S,
     RequestSpec,
     Trace,
     cpu_ticks,
     drive,
     others_cpu_pct,
-    percentile,
     pinned,
     spawn,
     stop_all,
-    throughput,
     wait_quiet,
     wait_serving,
 )
 from core.units import parse_bytes
 
-GOAL_ITL_RATIO = 0.5  # disaggregated p99 ITL of the short requests <= this x colocated without chunking
-GOAL_OVERHEAD_RATIO = 0.85  # gateway output tokens/s >= this x the offline engine's
 FIRST_PLAIN_ID = 17  # SmolLM2's special tokens are ids 0-16; the random prompts avoid them
 
 
@@ -81,6 +77,7 @@ class DisaggPlan:
 
 
 def short_requests(plan: DisaggPlan, vocab_size: int, seed: int, count: int) -> list[RequestSpec]:
+    """``count`` chat-sized requests: prompt and output lengths drawn from the plan's ranges."""
     rng = random.Random(seed)
     specs = []
     for i in range(count):
@@ -91,6 +88,7 @@ def short_requests(plan: DisaggPlan, vocab_size: int, seed: int, count: int) -> 
 
 
 def long_requests(plan: DisaggPlan, vocab_size: int, seed: int) -> list[RequestSpec]:
+    """One long prompt per arrival time of the plan."""
     rng = random.Random(seed)
     return [RequestSpec(f"long{i}", tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size)
                                           for _ in range(plan.long_prompt_len)), plan.long_output_len, "long", at)
@@ -104,6 +102,7 @@ class Workload:
     slots: list[list[RequestSpec]]
     longs: list[RequestSpec]
     bursts: list[list[RequestSpec]]  # the serving-overhead bursts, fresh prompts each
+    direct_bursts: list[list[RequestSpec]]  # the same shapes, other ids: straight to the worker's Decode
     warmup: tuple[RequestSpec, RequestSpec]  # a local prefill and one through the prefill worker
 
     @classmethod
@@ -113,10 +112,13 @@ class Workload:
         bursts = [[replace(s, name=f"burst{r}-{s.name}") for s in
                    short_requests(plan, vocab_size, plan.seed + 1000 + r, plan.overhead_requests)]
                   for r in range(plan.overhead_repeats)]
+        span = vocab_size - FIRST_PLAIN_ID
+        direct = [[replace(s, name=f"direct-{s.name}", prompt_ids=tuple(
+            FIRST_PLAIN_ID + (i - FIRST_PLAIN_ID + 1) % span for i in s.prompt_ids)) for s in b] for b in bursts]
         rng = random.Random(plan.seed + 2000)
         warm = [tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(n))
                 for n in (16, plan.local_prefill_threshold + 16)]
-        return cls(slots, long_requests(plan, vocab_size, plan.seed + 1), bursts,
+        return cls(slots, long_requests(plan, vocab_size, plan.seed + 1), bursts, direct,
                    (RequestSpec("warm-short", warm[0], 4), RequestSpec("warm-long", warm[1], 2)))
 
 
@@ -160,6 +162,7 @@ class Setup:
 
 
 def setups(plan: DisaggPlan, cores: tuple[int, ...]) -> list[Setup]:
+    """The three configurations on the same (two) cores: P and D on one core each, or one worker on both."""
     both = tuple(cores) if cores else None
     p_core, d_core = ((cores[0],), (cores[1],)) if len(cores) >= 2 else (both, both)
     one = max(1, plan.threads // 2)
@@ -177,9 +180,10 @@ def setups(plan: DisaggPlan, cores: tuple[int, ...]) -> list[Setup]:
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """A running configuration: the gateway's gRPC address and every process id (for CPU accounting)."""
+    """A running configuration: the gateway's and the workers' gRPC addresses and every process id."""
 
     address: str
+    workers: tuple[str, ...]
     pids: tuple[int, ...]
 
 
@@ -201,7 +205,7 @@ def running(setup: Setup, kv_cache_memory: int, log_dir: Path) -> Iterator[Clust
         procs.append(spawn(setup.gateway_argv(port, ports), None, logs[-1]))
         for name, proc, address, log_path in zip(names, procs, addresses, logs, strict=True):
             wait_serving(name, proc, address, log_path)
-        yield Cluster(addresses[-1], tuple(p.pid for p in procs))
+        yield Cluster(addresses[-1], tuple(addresses[:-1]), tuple(p.pid for p in procs))
     finally:
         stop_all(procs)
 
@@ -214,8 +218,10 @@ class SetupResult:
     setup: Setup
     traces: list[Trace] = field(default_factory=list)
     bursts: list[list[Trace]] = field(default_factory=list)  # serving overhead through the gateway
+    direct_bursts: list[list[Trace]] = field(default_factory=list)  # … and straight to the worker
     others_cpu_pct: float | None = None  # CPU time other processes took during the mixed run
     burst_others_cpu_pct: list[float | None] = field(default_factory=list)
+    direct_others_cpu_pct: list[float | None] = field(default_factory=list)
     error: str | None = None
 
 
@@ -232,6 +238,8 @@ class OfflineResult:
 
 def run_setup(setup: Setup, plan: DisaggPlan, work: Workload, log_dir: Path, overhead: bool,
               log: Callable[[str], None]) -> SetupResult:
+    """Starts one configuration, warms it up, runs the mixed workload (and, with ``overhead``, the
+    serving-overhead bursts) and stops it; a failure becomes the result's error."""
     result = SetupResult(setup)
     t0 = time.perf_counter()
     try:
@@ -245,17 +253,30 @@ def run_setup(setup: Setup, plan: DisaggPlan, work: Workload, log_dir: Path, ove
             result.traces = asyncio.run(drive(cluster.address, setup.key, work.slots, work.longs))
             result.others_cpu_pct = others_cpu_pct(before, cpu_ticks(pids))
             _raise_errors(result.traces)
-            for i, burst in enumerate(work.bursts if overhead else []):
-                wait_quiet(pids, plan.max_quiet_wait_s, lambda m: log(f"[disaggregation] {m}"))
-                before = cpu_ticks(pids)
-                result.bursts.append(asyncio.run(drive(cluster.address, f"{setup.key}-burst{i}", [[s] for s in burst])))
-                result.burst_others_cpu_pct.append(others_cpu_pct(before, cpu_ticks(pids)))
-                _raise_errors(result.bursts[-1])
+            if overhead:
+                _overhead_bursts(cluster, pids, plan, work, result, log)
     except (RuntimeError, OSError) as e:
         result.error = str(e)
     log(f"[disaggregation] {setup.key}: " + (f"failed: {result.error}" if result.error else
-                                            _summary_line(Summary.of(result.traces))))
+                                            summary_line(Summary.of(result.traces))))
     return result
+
+
+def _overhead_bursts(cluster: Cluster, pids: Sequence[int], plan: DisaggPlan, work: Workload,
+                     result: SetupResult, log: Callable[[str], None]) -> None:
+    """The overhead bursts, alternately through the gateway and straight to the worker's Decode."""
+    for i, (burst, direct) in enumerate(zip(work.bursts, work.direct_bursts, strict=True)):
+        for specs, traces, others, to_worker in (
+            (burst, result.bursts, result.burst_others_cpu_pct, False),
+            (direct, result.direct_bursts, result.direct_others_cpu_pct, True),
+        ):
+            wait_quiet(pids, plan.max_quiet_wait_s, lambda m: log(f"[disaggregation] {m}"))
+            before = cpu_ticks(pids)
+            address = cluster.workers[0] if to_worker else cluster.address
+            got = asyncio.run(drive(address, f"{result.setup.key}-b{i}", [[s] for s in specs], worker=to_worker))
+            others.append(others_cpu_pct(before, cpu_ticks(pids)))
+            traces.append(got)
+            _raise_errors(got)
 
 
 def _raise_errors(traces: Sequence[Trace]) -> None:
@@ -354,221 +375,6 @@ def run_section(quick: bool, command: str, threads: int | None = None,
         offline = run_offline(plan, work, cores, Path(tmp))
     log(f"[disaggregation] measured in {time.perf_counter() - t0:.0f} s")
     return render_section(plan, cores, results, offline, header, quick)
-
-
-# ------------------------------------------------------------------ statistics
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """The latencies (ms) and throughput of one configuration's mixed run."""
-
-    itl_ms: tuple[float | None, float | None, float | None]  # short requests: p50, p95, p99 per delta
-    short_ttft_ms: tuple[float | None, float | None]  # p50, p95
-    long_ttft_ms: tuple[float | None, float | None]  # p50, max
-    tok_s: float | None  # every output token / first send to last completion
-    num_gaps: int
-    num_multi: int  # deltas of the short requests that carried more than one token
-
-    @classmethod
-    def of(cls, traces: Sequence[Trace]) -> Summary:
-        shorts = [t for t in traces if t.kind == "short"]
-        gaps = [1e3 * g for t in shorts for g in t.gaps_s()]
-        sttft = [1e3 * t.ttft_s for t in shorts if t.ttft_s is not None]
-        lttft = [1e3 * t.ttft_s for t in traces if t.kind == "long" and t.ttft_s is not None]
-        return cls((percentile(gaps, 50), percentile(gaps, 95), percentile(gaps, 99)),
-                   (percentile(sttft, 50), percentile(sttft, 95)),
-                   (percentile(lttft, 50), max(lttft) if lttft else None),
-                   throughput(traces), len(gaps), sum(n > 1 for t in shorts for n in t.sizes))
-
-
-def same_tokens(traces: Sequence[Trace], reference: Sequence[Trace]) -> tuple[int, int]:
-    """(requests whose tokens equal the reference's, requests compared)."""
-    ref = {t.name: t.token_ids for t in reference}
-    both = [t for t in traces if t.name in ref]
-    return sum(t.token_ids == ref[t.name] for t in both), len(both)
-
-
-def _summary_line(s: Summary) -> str:
-    return (f"short ITL p50/p95/p99 {_ms(s.itl_ms[0])}/{_ms(s.itl_ms[1])}/{_ms(s.itl_ms[2])} ms, "
-            f"long TTFT p50 {_ms(s.long_ttft_ms[0])} ms, {_num(s.tok_s)} tok/s")
-
-
-# ------------------------------------------------------------------ the Markdown
-def _title(quick: bool) -> str:
-    return ("## Disaggregation: decode latency under long prompts"
-            + (" (quick smoke run: tiny sizes, not representative)" if quick else ""))
-
-
-def render_section(plan: DisaggPlan, cores: tuple[int, ...], results: Sequence[SetupResult],
-                   offline: OfflineResult, header: str, quick: bool) -> str:
-    by_key = {r.setup.key: r for r in results}
-    ref = by_key.get("colocated")
-    rows = []
-    for r in results:
-        if r.error:
-            rows.append([r.setup.label, "failed", *["—"] * 9, _cell(r.error)])
-            continue
-        s = Summary.of(r.traces)
-        agree = "(reference)" if r is ref else _agreement(r, ref)
-        rows.append([r.setup.label, *map(_ms, s.itl_ms), *map(_ms, s.short_ttft_ms), *map(_ms, s.long_ttft_ms),
-                     _num(s.tok_s), _num(r.others_cpu_pct), agree])
-    load = "/".join(f"{x:.2f}" for x in os.getloadavg())
-    return "\n".join([
-        _title(quick), "", header.rstrip("\n") + "  ", f"Load average at the end: {load}.", "",
-        _setup_text(plan, cores, results), "",
-        table(["configuration", "short ITL p50 ms", "p95", "p99", "short TTFT p50 ms", "p95", "long TTFT p50 ms",
-               "max", "output tok/s", "other CPU %", "same greedy tokens"], rows, "lrrrrrrrrrl"),
-        _table_notes(results), "",
-        *_tradeoff_note(by_key, plan),
-        _goal_itl(by_key), "",
-        _overhead_text(plan, by_key.get("chunked"), offline),
-        *_noise_note(results, offline),
-    ])
-
-
-def _setup_text(plan: DisaggPlan, cores: tuple[int, ...], results: Sequence[SetupResult]) -> str:
-    where = f"cores {', '.join(map(str, cores))}" if len(cores) >= 2 else "one core (fewer than two available)"
-    shorts = plan.num_slots * plan.rounds
-    lines = [
-        f"The default model (SmolLM2-135M-Instruct, fp32 on CPU) on {where}. Three configurations, each started "
-        "as real processes the way a user starts them, one after another in this run; the gateway and this "
-        "benchmark's client float over both cores in every configuration. Every worker has "
-        f"`--kv-cache-memory {plan.kv_cache_memory >> 20}MiB`; the gateway places statically.",
-        "",
-    ]
-    for r in results:
-        lines.append(f"- **{r.setup.label}**:")
-        lines += [f"  - `{c}`" for c in r.setup.commands(plan.kv_cache_memory)]
-    arrivals = ", ".join(f"{x:g}" for x in plan.long_arrivals_s)
-    lines += [
-        "",
-        f"Workload, the same for each (seeded random token ids, greedy, EOS ignored): {shorts} short chat-sized "
-        f"requests ({plan.short_prompt_lens[0]}–{plan.short_prompt_lens[1]}-token prompts, "
-        f"{plan.short_output_lens[0]}–{plan.short_output_lens[1]} output tokens), {plan.num_slots} in flight "
-        f"at a time ({plan.num_slots} client slots of {plan.rounds}, each sending its next request when one "
-        f"ends), and {len(plan.long_arrivals_s)} long prompts of {plan.long_prompt_len} tokens "
-        f"({plan.long_output_len} output tokens) sent {arrivals} s after the first short request. The short "
-        f"prompts are below `--local-prefill-threshold {plan.local_prefill_threshold}`, so the disaggregated "
-        "gateway prefills them on the decode worker and only the long prompts go through the prefill worker "
-        "(KV pulled over NIXL). Before each measurement one short and one "
-        f"{plan.local_prefill_threshold + 16}-token request warm the configuration up (untimed).",
-        "",
-        "The client (`baton.v1.Gateway/Generate`, one grpc.aio channel, prompt token ids) notes when each token "
-        "delta arrives. *ITL*: the gap between consecutive deltas of one short request, measured per delta "
-        "(a delta normally carries one token; the gateway merges tokens only for a lagging client, counted "
-        "below). *TTFT*: request sent → first delta, client-side. *output tok/s*: every output token (short "
-        "and long) ÷ first request sent → last completion. *other CPU %*: the share of the machine's CPU "
-        "time that processes other than this benchmark's took during the run (the machine is shared; compare "
-        "rows with similar values). *same greedy tokens*: requests whose tokens equal the "
-        "colocated-without-chunking run's.",
-    ]
-    return "\n".join(lines)
-
-
-def _agreement(r: SetupResult, ref: SetupResult | None) -> str:
-    if ref is None or ref.error:
-        return "—"
-    shorts = same_tokens([t for t in r.traces if t.kind == "short"], ref.traces)
-    longs = same_tokens([t for t in r.traces if t.kind == "long"], ref.traces)
-    return f"{shorts[0]}/{shorts[1]} short, {longs[0]}/{longs[1]} long" + (
-        "" if shorts[0] == shorts[1] and longs[0] == longs[1] else " **(differ)**")
-
-
-def _table_notes(results: Sequence[SetupResult]) -> str:
-    parts = []
-    for r in results:
-        if not r.error:
-            s = Summary.of(r.traces)
-            parts.append(f"{r.setup.key} {s.num_multi} of {s.num_gaps}")
-    return ("Short-request deltas that carried more than one token (of all ITL samples): "
-            + ", ".join(parts) + "." if parts else "")
-
-
-def _tradeoff_note(by_key: dict[str, SetupResult], plan: DisaggPlan) -> list[str]:
-    d, c = by_key.get("disagg"), by_key.get("colocated")
-    if d is None or c is None or d.error or c.error:
-        return []
-    dl, cl = Summary.of(d.traces).long_ttft_ms[0], Summary.of(c.traces).long_ttft_ms[0]
-    if not dl or not cl:
-        return []
-    one = d.setup.workers[0].threads
-    return [f"The price of disaggregation on two cores: the prefill worker prefills each long prompt with "
-            f"{one} thread on its own core, where the colocated worker uses {plan.threads}, so the long prompts' "
-            f"TTFT (p50) is {dl / cl:.2f}x the colocated one's; the decode core meanwhile never stops for a "
-            "prefill.", ""]
-
-
-def _noise_note(results: Sequence[SetupResult], offline: OfflineResult) -> list[str]:
-    shares = [r.others_cpu_pct for r in results] + [x for r in results for x in r.burst_others_cpu_pct]
-    busiest = max((x for x in [*shares, *offline.others_cpu_pct] if x is not None), default=None)
-    if busiest is None or busiest < 2 * QUIET_PCT:
-        return []
-    return ["", f"**Caution**: other processes took up to {busiest:.0f}% of the machine's CPU during a measured "
-            "phase (see *other CPU %*; the benchmark waited for a quiet moment before each, but the machine is "
-            "shared): the rows were not measured under equal conditions, so treat their ratios as indicative "
-            "and rerun the section on a quiet machine."]
-
-
-def _goal_itl(by_key: dict[str, SetupResult]) -> str:
-    def p99(key: str) -> float | None:
-        r = by_key.get(key)
-        return None if r is None or r.error else Summary.of(r.traces).itl_ms[2]
-
-    d, c, k = p99("disagg"), p99("colocated"), p99("chunked")
-    goal = f"Goal: disaggregated p99 ITL of the short requests <= {GOAL_ITL_RATIO}x colocated without chunking: "
-    if d is None or not c:
-        return goal + "**not measured** (a configuration failed)."
-    ratio = d / c
-    verdict = "met" if ratio <= GOAL_ITL_RATIO else "not met"
-    chunked = f"; chunked prefill alone reaches {k / c:.2f}x" if k else ""
-    return goal + f"**{verdict}** ({_ms(d)} ms ÷ {_ms(c)} ms = {ratio:.2f}x{chunked})."
-
-
-def _overhead_text(plan: DisaggPlan, gateway: SetupResult | None, offline: OfflineResult) -> str:
-    goal = f"Serving overhead: output tokens/s through the gateway >= {GOAL_OVERHEAD_RATIO}x the offline engine: "
-    intro = (f"### Serving overhead\n\n{plan.overhead_requests} short requests (the same sizes, fresh prompts) "
-             f"sent at once, {plan.overhead_repeats} burst(s) each way, the fastest counts: through the gateway "
-             "to the colocated chunked-prefill worker above (after its mixed run), and through "
-             f"`LLM.generate` in a fresh process on the same cores with `--threads {plan.threads}` and the "
-             f"same engine flags (`{offline.command}`). Output tokens ÷ wall time (the gateway's: first "
-             "request sent → last completion, client-side).\n\n")
-    if gateway is None or gateway.error or not gateway.bursts or offline.error:
-        why = offline.error or (gateway.error if gateway else None) or "no gateway bursts"
-        return intro + goal + f"**not measured** ({_cell(why)})."
-    g = [throughput(b) or 0.0 for b in gateway.bursts]
-    o = [sum(len(x) for x in toks) / w for toks, w in zip(offline.token_ids, offline.walls_s, strict=True)]
-    agree = sum(t.token_ids == ids for b, toks in zip(gateway.bursts, offline.token_ids, strict=True)
-                for t, ids in zip(b, toks, strict=True))
-    total = sum(len(b) for b in gateway.bursts)
-    ratio = max(g) / max(o)
-    rows = [["gateway (gRPC, colocated worker)", _runs(g), _others(gateway.burst_others_cpu_pct)],
-            ["offline `LLM.generate`", _runs(o), _others(offline.others_cpu_pct)]]
-    verdict = "met" if ratio >= GOAL_OVERHEAD_RATIO else "not met"
-    return (intro + table(["path", "output tok/s", "other CPU %"], rows, "lrr")
-            + f"\nSame greedy tokens through the gateway as offline: {agree}/{total}"
-            + ("" if agree == total else " **(differ)**") + ".\n\n"
-            + goal + f"**{verdict}** ({max(g):.1f} ÷ {max(o):.1f} = {ratio:.2f}x).")
-
-
-def _runs(xs: list[float]) -> str:
-    best = max(xs)
-    others = [f"{x:.1f}" for x in xs if x != best]
-    return f"{best:.1f}" + (f" ({', '.join(others)})" if others else "")
-
-
-def _others(xs: Sequence[float | None]) -> str:
-    return ", ".join(_num(x) for x in xs) or "—"
-
-
-def _ms(x: float | None) -> str:
-    return "—" if x is None else (f"{x:.0f}" if x >= 100 else f"{x:.1f}")
-
-
-def _num(x: float | None) -> str:
-    return "—" if x is None else f"{x:.1f}"
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")[:300]
 
 
 if __name__ == "__main__":

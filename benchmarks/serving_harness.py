@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks.report import REPO_ROOT
 
@@ -61,25 +62,25 @@ class Trace:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
-async def generate(stub: object, spec: RequestSpec, request_id: str) -> Trace:
-    """One streamed ``Generate`` call; errors are recorded in the trace, never raised."""
+async def generate(stub: Any, spec: RequestSpec, request_id: str) -> Trace:
+    """One streamed ``Gateway.Generate`` call (or, with a ``Worker`` stub, ``Worker.Decode`` without a
+    handle: the worker prefills locally); errors are recorded in the trace, never raised."""
     import grpc
 
-    from baton.v1 import common_pb2, gateway_pb2
+    from baton.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 
-    request = gateway_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=gateway_pb2.TokenIds(ids=spec.prompt_ids),
-        sampling=common_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True))
+    sampling = common_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    if isinstance(stub, worker_pb2_grpc.WorkerStub):
+        call = stub.Decode(worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=spec.prompt_ids,
+                                                    sampling=sampling), timeout=REQUEST_TIMEOUT_S)
+    else:
+        call = stub.Generate(gateway_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=gateway_pb2.TokenIds(ids=spec.prompt_ids), sampling=sampling),
+            timeout=REQUEST_TIMEOUT_S)
     trace = Trace(spec.name, spec.kind, sent_at=time.perf_counter())
     try:
-        async for msg in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):  # type: ignore[attr-defined]
-            now = time.perf_counter()
-            if msg.HasField("delta") and msg.delta.token_ids:
-                trace.arrivals.append(now)
-                trace.sizes.append(len(msg.delta.token_ids))
-                trace.token_ids.extend(msg.delta.token_ids)
-            elif msg.HasField("completion"):
-                trace.done_at, trace.server_ttft_ms = now, msg.completion.timings.ttft_ms
+        async for msg in call:
+            _note(trace, msg, time.perf_counter())
     except grpc.aio.AioRpcError as e:
         trace.error = f"{e.code().name}: {e.details()}"
     if trace.error is None and len(trace.token_ids) != spec.max_tokens:
@@ -87,15 +88,29 @@ async def generate(stub: object, spec: RequestSpec, request_id: str) -> Trace:
     return trace
 
 
+def _note(trace: Trace, msg: Any, now: float) -> None:
+    """A ``GenerateResponse`` or a ``DecodeResponse`` (whose last message carries ``finish_reason``)."""
+    if msg.HasField("delta") and msg.delta.token_ids:
+        trace.arrivals.append(now)
+        trace.sizes.append(len(msg.delta.token_ids))
+        trace.token_ids.extend(msg.delta.token_ids)
+    if hasattr(msg, "completion"):
+        if msg.HasField("completion"):
+            trace.done_at, trace.server_ttft_ms = now, msg.completion.timings.ttft_ms
+    elif msg.finish_reason:
+        trace.done_at = now
+
+
 async def drive(address: str, tag: str, slots: Sequence[Sequence[RequestSpec]],
-                late: Sequence[RequestSpec] = ()) -> list[Trace]:
-    """Each slot sends its requests one after another; each late request is sent at its ``start_s``."""
+                late: Sequence[RequestSpec] = (), worker: bool = False) -> list[Trace]:
+    """Each slot sends its requests one after another; each late request is sent at its ``start_s``.
+    To a gateway's ``Generate``, or with ``worker`` straight to a worker's ``Decode``."""
     import grpc
 
-    from baton.v1 import gateway_pb2_grpc
+    from baton.v1 import gateway_pb2_grpc, worker_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = worker_pb2_grpc.WorkerStub(channel) if worker else gateway_pb2_grpc.GatewayStub(channel)
         t0 = time.perf_counter()
 
         async def run_slot(specs: Sequence[RequestSpec]) -> list[Trace]:

@@ -1,20 +1,12 @@
-"""The disaggregation benchmark's arithmetic, commands and Markdown, on hand-built traces (no torch, no
-processes)."""
+"""The disaggregation benchmark's workload, commands, arithmetic and Markdown, on hand-built traces (no
+torch, no processes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.disagg_bench import (
-    DisaggPlan,
-    OfflineResult,
-    SetupResult,
-    Summary,
-    Workload,
-    render_section,
-    same_tokens,
-    setups,
-)
+from benchmarks.disagg_bench import DisaggPlan, OfflineResult, SetupResult, Workload, setups
+from benchmarks.disagg_report import Summary, render_section, same_tokens
 from benchmarks.serving_harness import Trace, others_cpu_pct, percentile, pinned, throughput
 
 pytestmark = pytest.mark.unit
@@ -49,6 +41,15 @@ def test_summary_splits_short_and_long_and_counts_merged_deltas() -> None:
     assert s.itl_ms[2] == pytest.approx(100 + 0.83 * 4900, rel=1e-6)  # p99 of 17 x 100 ms and one 5 s stall
     assert s.short_ttft_ms == (pytest.approx(100.0), pytest.approx(100.0))
     assert s.long_ttft_ms == (pytest.approx(5000.0), pytest.approx(6000.0))
+    # long0 decodes from 4.0 s to 4.1 s, long1 is done at its first token: no short gap ends inside
+    assert s.itl_long_decoding_ms is None and s.itl_otherwise_ms == pytest.approx(100.0)
+
+
+def test_summary_separates_steps_with_a_long_context_in_the_batch() -> None:
+    short = trace("short0", [0.1, 0.1, 0.4, 0.4, 0.1], ttft_s=0.0)  # deltas at 0, .1, .2, .6, 1.0, 1.1
+    long = trace("long0", [0.4, 0.4], ttft_s=0.2, kind="long")  # decodes from 0.2 s to 1.0 s
+    s = Summary.of([short, long])
+    assert s.itl_long_decoding_ms == pytest.approx(400.0) and s.itl_otherwise_ms == pytest.approx(100.0)
 
 
 def test_throughput_is_every_token_over_first_send_to_last_completion() -> None:
