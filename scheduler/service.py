@@ -10,6 +10,7 @@ that stop. A reaper expires overdue leases and tells their prefill worker to fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -217,10 +218,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     ) -> Placement:
         exclude = set(request.exclude_workers)
         decode, prefill = await self._pools(model, version, chain)
-        try:
+        with contextlib.suppress(NoCapacity):  # no room now: wait below
             return self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens, block_size, exclude)
-        except NoCapacity:
-            pass
         # No room now: wait in the tenant-fair queue, re-reading the workers' load as it changes.
         rid = request.request_id
         cost = num_prompt_tokens + request.max_tokens

@@ -145,7 +145,7 @@ class StaticRouter:
         return None  # the gateway's own call cancellation is the only path
 
     async def close(self) -> None:
-        pass
+        """Nothing to close: a static router holds no channel of its own."""
 
 
 def _next_allowed(cycle: itertools.cycle[str], n: int, exclude: Sequence[str]) -> str | None:

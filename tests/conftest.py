@@ -116,3 +116,9 @@ def redis_client(redis_server: Any) -> Any:
     client.flushdb()
     yield client
     client.close()
+
+
+@pytest.fixture
+def url(redis_server: Any, redis_client: Any) -> str:
+    """The session redis-server's URL, its database flushed for this test (by ``redis_client``)."""
+    return str(redis_server.url)

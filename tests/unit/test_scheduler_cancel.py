@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis_runner import run
 
 from scheduler.cancel import CancellationBus
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def url(redis_server: Any, redis_client: Any) -> str:
-    return str(redis_server.url)  # redis_client has flushed the database
-
-
-def run(url: str, body: Callable[..., Awaitable[None]], clients: int = 1) -> None:
-    async def main() -> None:
-        rs = [aioredis.Redis.from_url(url, decode_responses=True) for _ in range(clients)]
-        try:
-            await body(*rs)
-        finally:
-            for r in rs:
-                await r.aclose()
-
-    asyncio.run(main())
 
 
 class Received:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis_runner import Clock, run
 
 from core.errors import CapacityExceeded
 from scheduler.fairness import FairQueue, QueuedRequest
@@ -21,28 +20,7 @@ pytestmark = pytest.mark.unit
 A, B, C = TenantConfig("a"), TenantConfig("b"), TenantConfig("c")
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
 
-    def __call__(self) -> float:
-        return self.now
-
-
-def run(url: str, body: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        client = aioredis.Redis.from_url(url, decode_responses=True)
-        try:
-            return await body(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(main())
-
-
-@pytest.fixture
-def url(redis_server: Any, redis_client: Any) -> str:
-    return str(redis_server.url)  # redis_client has flushed the database
 
 
 async def serve_while_backlogged(q: FairQueue, tenants: list[TenantConfig]) -> dict[str, int]:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis_runner import run
 
 from scheduler.leases import Lease, LeaseLedger, LeaseState
 
@@ -17,21 +16,6 @@ pytestmark = pytest.mark.unit
 T0 = 1_000_000.0  # a fixed "now" for tests that drive the clock by hand
 
 
-@pytest.fixture
-def url(redis_server: Any, redis_client: Any) -> str:
-    return str(redis_server.url)  # redis_client has flushed the database
-
-
-def run(url: str, body: Callable[..., Awaitable[None]], clients: int = 1) -> None:
-    async def main() -> None:
-        rs = [aioredis.Redis.from_url(url, decode_responses=True) for _ in range(clients)]
-        try:
-            await body(*rs)
-        finally:
-            for r in rs:
-                await r.aclose()
-
-    asyncio.run(main())
 
 
 async def make(ledger: LeaseLedger, lease_id: str, num_blocks: int = 4, ttl_s: float = 10.0,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis_runner import Clock, run
 
 from core.errors import CapacityExceeded, InvalidRequest
 from scheduler.quota import QuotaLedger, TenantUsage
@@ -17,30 +17,7 @@ from scheduler.tenants import TenantConfig
 pytestmark = pytest.mark.unit
 
 
-class Clock:
-    """A hand-moved clock, so bucket arithmetic is exact."""
 
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def run(url: str, body: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        client = aioredis.Redis.from_url(url, decode_responses=True)
-        try:
-            return await body(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(main())
-
-
-@pytest.fixture
-def url(redis_server: Any, redis_client: Any) -> str:
-    return str(redis_server.url)  # redis_client has flushed the database
 
 
 def tenant(**limits: Any) -> TenantConfig:

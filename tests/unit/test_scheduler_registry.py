@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis_runner import run
 
 from core.errors import InvalidRequest
 from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry
@@ -17,20 +17,6 @@ pytestmark = pytest.mark.unit
 TTL = 1.0  # heartbeat timeout in these tests: short, yet with slack for a loaded CI machine
 
 
-@pytest.fixture
-def url(redis_server: Any, redis_client: Any) -> str:
-    return str(redis_server.url)  # redis_client has flushed the database
-
-
-def run(url: str, body: Callable[[aioredis.Redis], Awaitable[None]]) -> None:
-    async def main() -> None:
-        client = aioredis.Redis.from_url(url, decode_responses=True)
-        try:
-            await body(client)
-        finally:
-            await client.aclose()
-
-    asyncio.run(main())
 
 
 def record(worker_id: str, role: str = "decode", model: str = "llama", version: str = "v1") -> WorkerRecord:

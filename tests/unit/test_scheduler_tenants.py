@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis_runner import run
 
 from core.errors import Unauthenticated
 from scheduler.tenants import TenantConfig, TenantDirectory, api_key_digest, cache_salt
@@ -17,20 +16,6 @@ pytestmark = pytest.mark.unit
 SECRET = "sk-baton-9f8e7d6c5b4a39281706f5e4d3c2b1a0"
 
 
-def run(url: str, body: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
-    async def main() -> Any:
-        client = aioredis.Redis.from_url(url, decode_responses=True)
-        try:
-            return await body(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(main())
-
-
-@pytest.fixture
-def url(redis_server: Any, redis_client: Any) -> str:
-    return str(redis_server.url)  # redis_client has flushed the database
 
 
 def test_api_keys_are_hashed_at_rest(url: str, redis_client: Any) -> None:
