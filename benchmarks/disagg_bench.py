@@ -60,7 +60,7 @@ class DisaggPlan:
     # meet decoding short requests, not a queue of each other.
     long_arrivals_s: tuple[float, ...] = (2.0, 11.0, 20.0)
     overhead_requests: int = 16  # the serving-overhead burst: short requests sent at once
-    overhead_repeats: int = 2  # bursts each way (fresh prompts each time); the fastest counts
+    overhead_repeats: int = 3  # bursts each way (fresh prompts each time); the fastest counts
     seed: int = 0
     threads: int = 2  # colocated worker and offline engine; each disaggregated worker gets one core's share
     local_prefill_threshold: int = 256  # gateway: shorter prompts prefill on the decode worker

@@ -1,6 +1,7 @@
 """`AsyncEngine`: one engine thread per worker, and the small object where asyncio code meets it.
 
-The engine (torch) runs only on its own thread; grpc.aio handlers run on the event loop. They meet
+The engine (torch) runs only on its own thread, from its construction on; grpc.aio handlers run on the
+event loop. They meet
 here: commands go in through a thread-safe inbox (``call``), outputs come out through one bounded
 ``OutputStream`` per request. The engine thread never blocks on a client: a stream that falls too far
 behind is ended with an error for that request alone, so a slow reader cannot stall the batch.
@@ -71,20 +72,57 @@ class OutputStream:
 class AsyncEngine:
     """Owns the engine thread. ``service`` hooks run on it between steps and while idle."""
 
+    engine: LLMEngine
+    max_pending_outputs: int
+    service_hooks: list[Callable[[], object]]
+    _inbox: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]]
+    _wake: threading.Event
+    _streams: dict[str, OutputStream]
+    _stop: bool
+    _thread: threading.Thread
+    _ready: Future[None] | None
+    _factory: Callable[[], LLMEngine] | None
+    num_slow_reader_aborts: int
+    num_steps: int
+
     def __init__(self, engine: LLMEngine, max_pending_outputs: int = 256) -> None:
         self.engine = engine
+        self._ready: Future[None] | None = None
+        self._factory: Callable[[], LLMEngine] | None = None
+        self._setup(max_pending_outputs)
+
+    @classmethod
+    async def launch(cls, factory: Callable[[], LLMEngine], max_pending_outputs: int = 256) -> AsyncEngine:
+        """Builds the engine *on the engine thread* and starts it there.
+
+        So every torch op of the process runs on that one thread. Each thread that starts parallel
+        torch work gets its own OpenMP team; with two teams libgomp counts more threads than cores on a
+        small machine and stops its workers spin-waiting between ops, so every op pays a futex wake-up
+        (about 10% of decode throughput on two cores). One team keeps them spinning, like the offline
+        engine's."""
+        self = cls.__new__(cls)
+        self._setup(max_pending_outputs)
+        self._factory = factory
+        self._ready = Future()
+        self._thread.start()
+        await asyncio.wrap_future(self._ready)
+        return self
+
+    def _setup(self, max_pending_outputs: int) -> None:
         self.max_pending_outputs = max_pending_outputs
-        self.service_hooks: list[Callable[[], object]] = []
-        self._inbox: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.SimpleQueue()
+        self.service_hooks = []
+        self._inbox = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, OutputStream] = {}
+        self._streams = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.num_slow_reader_aborts = 0
         self.num_steps = 0
 
     def start(self) -> None:
-        self._thread.start()
+        """Starts the engine thread of an engine built elsewhere (`launch` starts its own)."""
+        if self._factory is None:
+            self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop = True
@@ -122,6 +160,14 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        if self._factory is not None and self._ready is not None:
+            try:
+                self.engine = self._factory()
+            except BaseException as e:
+                self._stop = True
+                self._ready.set_exception(e)
+                return
+            self._ready.set_result(None)
         engine = self.engine
         while not self._stop:
             self._drain_inbox()

@@ -298,16 +298,23 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
                                  block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  long_prefill_chunk=config.long_prefill_chunk, num_threads=config.threads)
-    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, engine_config)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    address = f"{config.host}:{port}"
-    transport = make_transport(config.kv_transport, address, kv_layout(engine))
-    prefill = PrefillHandoff(engine, transport, config.lease_ttl_s) if config.role in ("prefill", "both") else None
-    decode = DecodeHandoff(engine, transport) if config.role in ("decode", "both") else None
-    aengine = AsyncEngine(engine, config.max_pending_outputs)
+    # Every torch op, the engine's construction and the KV cache's registration included, runs on the
+    # engine thread (see AsyncEngine.launch).
+    aengine = await AsyncEngine.launch(lambda: LLMEngine(engine_config), config.max_pending_outputs)
+    try:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        address = f"{config.host}:{port}"
+        transport = make_transport(config.kv_transport, address, kv_layout(aengine.engine))
+        prefill, decode = await aengine.call(lambda engine: (
+            PrefillHandoff(engine, transport, config.lease_ttl_s) if config.role in ("prefill", "both") else None,
+            DecodeHandoff(engine, transport) if config.role in ("decode", "both") else None))
+    except BaseException:
+        aengine.stop()
+        raise
+    engine = aengine.engine
     if prefill is not None:
         aengine.service_hooks.append(prefill.service)
     servicer = WorkerServicer(config, aengine, transport, address, prefill, decode)
@@ -317,7 +324,6 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     reflection.enable_server_reflection(
         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, "grpc.health.v1.Health",
          reflection.SERVICE_NAME], server)
-    aengine.start()
     await server.start()
     for name in ("", "baton.v1.Worker"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
