@@ -52,6 +52,7 @@ class Trace:
     token_ids: list[int] = field(default_factory=list)
     done_at: float | None = None  # the final Completion
     server_ttft_ms: float | None = None  # the gateway's own ttft_ms
+    server_queue_ms: float | None = None  # … its queue_ms (accepted → a worker started it)
     error: str | None = None
 
     @property
@@ -62,9 +63,11 @@ class Trace:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
-async def generate(stub: Any, spec: RequestSpec, request_id: str) -> Trace:
+async def generate(stub: Any, spec: RequestSpec, request_id: str,
+                   metadata: tuple[tuple[str, str], ...] = ()) -> Trace:
     """One streamed ``Gateway.Generate`` call (or, with a ``Worker`` stub, ``Worker.Decode`` without a
-    handle: the worker prefills locally); errors are recorded in the trace, never raised."""
+    handle: the worker prefills locally); errors are recorded in the trace, never raised. ``metadata``
+    goes with the call (an API key)."""
     import grpc
 
     from baton.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
@@ -72,11 +75,12 @@ async def generate(stub: Any, spec: RequestSpec, request_id: str) -> Trace:
     sampling = common_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     if isinstance(stub, worker_pb2_grpc.WorkerStub):
         call = stub.Decode(worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=spec.prompt_ids,
-                                                    sampling=sampling), timeout=REQUEST_TIMEOUT_S)
+                                                    sampling=sampling), timeout=REQUEST_TIMEOUT_S,
+                            metadata=metadata)
     else:
         call = stub.Generate(gateway_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=gateway_pb2.TokenIds(ids=spec.prompt_ids), sampling=sampling),
-            timeout=REQUEST_TIMEOUT_S)
+            timeout=REQUEST_TIMEOUT_S, metadata=metadata)
     trace = Trace(spec.name, spec.kind, sent_at=time.perf_counter())
     try:
         async for msg in call:
@@ -96,7 +100,8 @@ def _note(trace: Trace, msg: Any, now: float) -> None:
         trace.token_ids.extend(msg.delta.token_ids)
     if hasattr(msg, "completion"):
         if msg.HasField("completion"):
-            trace.done_at, trace.server_ttft_ms = now, msg.completion.timings.ttft_ms
+            timings = msg.completion.timings
+            trace.done_at, trace.server_ttft_ms, trace.server_queue_ms = now, timings.ttft_ms, timings.queue_ms
     elif msg.finish_reason:
         trace.done_at = now
 

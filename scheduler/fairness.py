@@ -114,7 +114,7 @@ reply[1] = entry
 return reply
 """
 
-# ARGV: base, now
+# ARGV: base, now, only ('' = whichever is next; else pop only if this id is next)
 _POP = _LIB + """
 reap()
 while true do
@@ -124,6 +124,7 @@ while true do
   local q = base .. 'q:' .. tenant
   local head = redis.call('ZRANGE', q, 0, 0)
   local entry = head[1] and redis.call('HGET', base .. 'entries', head[1])
+  if entry and ARGV[3] ~= '' and head[1] ~= ARGV[3] then return reply end
   if entry then
     redis.call('HDEL', base .. 'entries', head[1])
     redis.call('ZREM', base .. 'deadlines', head[1])
@@ -241,8 +242,14 @@ class FairQueue:
 
     async def pop_next(self) -> QueuedRequest | None:
         """The next request to admit (charging its cost to its tenant), or None if nothing waits."""
-        status = self._collect(await self._pop(keys=self._keys, args=self._args()))
+        status = self._collect(await self._pop(keys=self._keys, args=self._args("")))
         return QueuedRequest.from_json(status) if status else None
+
+    async def pop_if_next(self, request_id: str) -> bool:
+        """Takes ``request_id`` out (charging its cost) only if it is the next request to admit: how a
+        waiter that sees room claims it without overtaking anyone the fair order puts first."""
+        status = self._collect(await self._pop(keys=self._keys, args=self._args(request_id)))
+        return bool(status)
 
     async def charge(self, tenant: TenantConfig, tokens: float) -> float:
         """Add tokens served beyond (or, if negative, short of) what was charged at pop; returns the

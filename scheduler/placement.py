@@ -16,6 +16,12 @@ A prefill worker is chosen by the same idea: fewest queued prompts, most leading
 The prefill pool is skipped (the decode worker prefills locally, chunked among its decodes) when
 what is left to compute on D is short — under ``local_prefill_threshold`` tokens — or when no
 prefill worker is healthy.
+
+Admission limits: a worker's own queue is first come, first served, so work queued there escapes the
+scheduler's tenant-fair queue. A decode worker with ``max_decode_queue`` requests waiting or pulling,
+or a prefill worker with ``max_prefill_queue`` prompts accepted and not yet prefilled, takes no more:
+the request waits in the fair queue instead (`NoCapacity`), where the tenant that was served least
+goes first. Small prefill queues keep a quiet tenant's prompt from waiting behind a flood of others.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class PlacementPolicy:
     overlap_weight: float = 1.0
     local_prefill_threshold: int = 32  # tokens left to compute below which P is skipped
     max_running_hint: int = 64  # a worker's batch size, to scale its queue
+    max_prefill_queue: int = 2  # prompts a prefill worker holds (prefilling or queued) before it is full
+    max_decode_queue: int = 8  # requests a decode worker holds waiting or pulling before it is full
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +65,8 @@ class Placement:
 
 
 class NoCapacity(Exception):
-    """No decode worker can take the request now (every one is full or excluded)."""
+    """No worker can take the request now (every decode worker, or every prefill worker, is full or
+    excluded)."""
 
 
 class Placer:
@@ -69,7 +78,7 @@ class Placer:
     def decode_cost(self, c: Candidate, num_prompt_blocks: int, num_blocks_needed: int) -> float | None:
         """None when the request's new blocks do not fit in the worker's free blocks."""
         new_blocks = max(0, num_blocks_needed - c.hit_blocks)
-        if c.num_blocks <= 0 or new_blocks > c.free_blocks:
+        if c.num_blocks <= 0 or new_blocks > c.free_blocks or c.waiting + c.transfers >= self.policy.max_decode_queue:
             return None
         usage_after = 1.0 - (c.free_blocks - new_blocks) / c.num_blocks
         queued = (c.waiting + c.transfers) / max(1, self.policy.max_running_hint)
@@ -106,5 +115,8 @@ class Placer:
         prefills = [c for c in prefill_pool if c.address not in exclude and c.address != decode.address]
         if left_on_decode < self.policy.local_prefill_threshold or not prefills:
             return Placement(None, decode, best[0])
-        prefill = min(prefills, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
+        open_ = [c for c in prefills if c.running + c.waiting < self.policy.max_prefill_queue]
+        if not open_:
+            raise NoCapacity("every prefill worker's queue is full")
+        prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
         return Placement(prefill, decode, best[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ class ClusterSchedulerConfig:
     local_prefill_threshold: int = 32
 
 
+STALLED_POLLS = 25  # a waiter that sees room this many polls in a row without its turn hands the turn on
+IN_TRANSIT_S = 0.05  # a placement counts against its worker until a load measured this long after it
+
+
 def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[str]:
     """The prompt's prefix-hash chain exactly as the workers' KV caches compute it (hex)."""
     hashes: list[str] = []
@@ -92,7 +97,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
-        self._recent: dict[str, tuple[float, int, int]] = {}
+        self._recent: dict[str, list[tuple[float, int]]] = {}  # worker → (placed at, new blocks) per placement
+        self._waiting_here = 0  # requests of this replica in the fair queue
+        self._claim = asyncio.Lock()  # one waiter at a time turns seen room into a placement
         # Tenants and keys change rarely: a revoked key stops working within 1 s on every replica.
         self._tenant_cache: TTLCache[str, TenantConfig] = TTLCache(1.0)
         # Rollout weights: at once on this replica (SetRollout invalidates), within 50 ms on the others.
@@ -135,12 +142,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not request.resume:
             await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
         try:
-            placement = await self._place_or_wait(model, version, tenant, request, chain, len(ids), block_size)
+            placement = await self._place_or_wait(model, version, tenant, request, chain, len(ids), block_size,
+                                                  blocks_needed)
         except BaseException:
             if not request.resume:  # nothing was served: give the quota back
                 await self.quota.finish(tenant, request.request_id, len(ids), 0)
             raise
-        self._note_placement(placement, blocks_needed)
         resp = pb.PlaceResponse(tenant=tenant.name, version=version, cache_salt=salt,
                                 decode_worker=placement.decode.address,
                                 prefix_hit_blocks=placement.decode.hit_blocks, lease_ttl_s=self.config.lease_ttl_s)
@@ -194,57 +201,73 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     def _candidate(self, view: WorkerView, hit_blocks: int) -> Candidate:
         """A worker's load as of its last heartbeat, plus what this replica placed on it since: without
-        that, every request of a burst would see the same idle worker and pile onto it."""
+        that, every request of a burst would see the same idle worker and pile onto it. A placement
+        counts until a load measured ``IN_TRANSIT_S`` after it (the request reaches the worker through
+        the gateway, so a load measured just after the placement may not show it yet)."""
         r, load = view.record, view.load
-        since, blocks, requests = self._recent.get(r.address, (load.timestamp, 0, 0))
-        if since != load.timestamp:  # a newer heartbeat already counts them
-            self._recent.pop(r.address, None)
-            blocks = requests = 0
+        recent = self._recent.get(r.address)
+        blocks = requests = 0
+        if recent:
+            recent[:] = [(t, b) for t, b in recent if t > load.timestamp - IN_TRANSIT_S]
+            blocks, requests = sum(b for _, b in recent), len(recent)
         return Candidate(r.address, r.role, r.num_blocks, max(0, load.free_blocks - blocks), load.running,
                          load.waiting + requests, load.transfers, hit_blocks, load.timestamp)
 
     def _note_placement(self, placement: Placement, blocks: int) -> None:
+        now = time.time()  # the clock of WorkerLoad.timestamp: this replica's, when the load arrived
         for c, n_blocks in ((placement.decode, max(0, blocks - placement.decode.hit_blocks)), (placement.prefill, 0)):
-            if c is None:
-                continue
-            since, b, n = self._recent.get(c.address, (c.load_timestamp, 0, 0))
-            if since != c.load_timestamp:
-                b = n = 0
-            self._recent[c.address] = (c.load_timestamp, b + n_blocks, n + 1)
+            if c is not None:
+                self._recent.setdefault(c.address, []).append((now, n_blocks))
 
     async def _place_or_wait(
         self, model: str, version: str, tenant: TenantConfig, request: pb.PlaceRequest, chain: list[str],
-        num_prompt_tokens: int, block_size: int,
+        num_prompt_tokens: int, block_size: int, blocks_needed: int,
     ) -> Placement:
+        """Places the request now if there is room and nobody waits; otherwise it waits in the
+        tenant-fair queue, re-reading the workers' load, and goes when there is room *and* it is the
+        next request in fair order. The placement is noted against its workers before the next waiter
+        of this replica looks (one lock), so one free slot is never given twice here."""
         exclude = set(request.exclude_workers)
-        decode, prefill = await self._pools(model, version, chain)
-        with contextlib.suppress(NoCapacity):  # no room now: wait below
-            return self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens, block_size, exclude)
-        # No room now: wait in the tenant-fair queue, re-reading the workers' load as it changes.
+
+        def place(pools: tuple[list[Candidate], list[Candidate]]) -> Placement:
+            return self.placer.place(*pools, num_prompt_tokens, request.max_tokens, block_size, exclude)
+
+        if not self._waiting_here:  # with others waiting, a newcomer queues too: the fair order decides
+            with contextlib.suppress(NoCapacity):  # no room now: wait below
+                placement = place(await self._pools(model, version, chain))
+                self._note_placement(placement, blocks_needed)
+                return placement
         rid = request.request_id
-        cost = num_prompt_tokens + request.max_tokens
-        await self.queue.enqueue(tenant, rid, cost, self.config.queue_timeout_s)
+        await self.queue.enqueue(tenant, rid, num_prompt_tokens + request.max_tokens, self.config.queue_timeout_s)
         deadline = time.monotonic() + self.config.queue_timeout_s
         ready_key = f"{self.config.prefix}fq:ready:{rid}"
+        stalled = 0  # polls in a row that saw room while another request was next
+        self._waiting_here += 1
         try:
             while time.monotonic() < deadline:
                 await asyncio.sleep(self.config.queue_poll_s)
-                decode, prefill = await self._pools(model, version, chain)  # new or undrained workers too
-                try:
-                    placement = self.placer.place(decode, prefill, num_prompt_tokens, request.max_tokens,
-                                                  block_size, exclude)
-                except NoCapacity:
-                    continue
-                if await self._client.delete(ready_key):
-                    return placement  # an earlier waiter handed us our turn
-                head = await self.queue.pop_next()
-                if head is None or head.request_id == rid:
-                    return placement
-                await self._client.set(f"{self.config.prefix}fq:ready:{head.request_id}", "1",
-                                       ex=max(1, int(self.config.queue_timeout_s)))
+                pools = await self._pools(model, version, chain)  # new or undrained workers too
+                async with self._claim:
+                    try:
+                        placement = place(pools)
+                    except NoCapacity:
+                        continue
+                    if await self.queue.pop_if_next(rid) or await self._client.delete(ready_key):
+                        self._note_placement(placement, blocks_needed)
+                        return placement
+                    stalled += 1
+                    if stalled >= STALLED_POLLS:
+                        # The next request's waiter has not claimed the room for a while (its replica may
+                        # be gone, or it waits for another model): take it out and hand it its turn.
+                        stalled = 0
+                        head = await self.queue.pop_next()
+                        if head is not None:
+                            await self._client.set(f"{self.config.prefix}fq:ready:{head.request_id}", "1",
+                                                   ex=max(1, math.ceil(self.config.queue_timeout_s)))
             raise CapacityExceeded(
-                f"no decode capacity for {self.config.queue_timeout_s:g} s (queue wait timed out)", retry_after_s=1.0)
+                f"no worker capacity for {self.config.queue_timeout_s:g} s (queue wait timed out)", retry_after_s=1.0)
         finally:
+            self._waiting_here -= 1
             await self.queue.remove(rid)
             await self._client.delete(ready_key)
 
@@ -309,8 +332,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
-        known = await self.registry.heartbeat(request.address, _load(request.load),
-                                              list(request.cached_block_hashes))
+        hashes = None if request.load_only else list(request.cached_block_hashes)
+        known = await self.registry.heartbeat(request.address, _load(request.load), hashes)
         return pb.HeartbeatResponse(known=known)
 
     # ------------------------------------------------------------------ model versions

@@ -21,11 +21,14 @@ from engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 MAX_PUBLISHED_HASHES = 4096  # placement needs leading blocks; a bounded set keeps heartbeats small
+LOAD_BEAT_S = 0.05  # between full heartbeats, a changed load is published this often at most
 
 
 class Membership:
     """Registers with the scheduler, then heartbeats every interval it is told (re-registering when
-    the scheduler has evicted it)."""
+    the scheduler has evicted it). Between two full heartbeats (load and prefix hashes), a load that
+    changed is published at once, at most every ``LOAD_BEAT_S``: admission waits on it (a finished
+    request frees a slot that a queued one may take), so it must not be a second old."""
 
     def __init__(self, scheduler: str, aengine: AsyncEngine,
                  info: Callable[[LLMEngine], worker_pb2.InfoResponse], role: str) -> None:
@@ -39,6 +42,8 @@ class Membership:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.registered = asyncio.Event()
+        self.address = ""  # this worker's, once registered
+        self._sent: tuple[object, ...] = ()  # the load last published
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="membership")
@@ -65,7 +70,8 @@ class Membership:
                 else:
                     known = await self._beat()
                 backoff = 0.2
-                await asyncio.sleep(self.interval_s)
+                if known:
+                    known = await self._load_beats(time.monotonic() + self.interval_s)
             except grpc.aio.AioRpcError as e:
                 known = False
                 log.warning("scheduler %s unreachable (%s); retrying in %.1fs", self.scheduler, e.code().name, backoff)
@@ -79,6 +85,21 @@ class Membership:
 
         return await self.aengine.call(read)
 
+    async def _load_beats(self, until: float) -> bool:
+        """Until ``until``: publishes the load whenever it changed since the last heartbeat. Returns
+        False if the scheduler no longer knows this worker."""
+        while (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(LOAD_BEAT_S, left))
+            load = self._load(await self.aengine.call(self._info))
+            if _key(load) == self._sent:
+                continue
+            reply = await self._stub.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(address=self.address, load=load, load_only=True), timeout=5.0)
+            if not reply.known:
+                return False
+            self._sent = _key(load)
+        return True
+
     def _load(self, info: worker_pb2.InfoResponse) -> scheduler_pb2.WorkerLoad:
         return scheduler_pb2.WorkerLoad(free_blocks=info.num_free_blocks, running=info.num_running,
                                         waiting=info.num_waiting, transfers=info.num_transfers,
@@ -90,17 +111,26 @@ class Membership:
             address=info.address, role=self.role, model=info.model, version=info.model_digest,
             num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
             kv_backend=info.kv_backend)
+        load = self._load(info)
         reply = await self._stub.RegisterWorker(
-            scheduler_pb2.RegisterWorkerRequest(worker=record, load=self._load(info)), timeout=5.0)
+            scheduler_pb2.RegisterWorkerRequest(worker=record, load=load), timeout=5.0)
+        self._sent = _key(load)
         self.interval_s = max(0.05, reply.heartbeat_interval_s or 1.0)
+        self.address = info.address
         log.info("registered with scheduler %s as %s (%s)", self.scheduler, info.address, self.role)
 
     async def _beat(self, timeout_s: float = 5.0) -> bool:
         info, hashes = await self._snapshot()
+        load = self._load(info)
         reply = await self._stub.Heartbeat(
-            scheduler_pb2.HeartbeatRequest(address=info.address, load=self._load(info), cached_block_hashes=hashes),
+            scheduler_pb2.HeartbeatRequest(address=info.address, load=load, cached_block_hashes=hashes),
             timeout=timeout_s)
+        self._sent = _key(load)
         return bool(reply.known)
+
+
+def _key(load: scheduler_pb2.WorkerLoad) -> tuple[object, ...]:
+    return (load.free_blocks, load.running, load.waiting, load.transfers, load.leases, load.draining)
 
 
 class RecentCancels:

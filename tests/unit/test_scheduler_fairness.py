@@ -20,9 +20,6 @@ pytestmark = pytest.mark.unit
 A, B, C = TenantConfig("a"), TenantConfig("b"), TenantConfig("c")
 
 
-
-
-
 async def serve_while_backlogged(q: FairQueue, tenants: list[TenantConfig]) -> dict[str, int]:
     """Pop while every tenant has requests waiting; tokens served per tenant."""
     served = {t.name: 0 for t in tenants}
@@ -48,6 +45,24 @@ def test_equal_weights_share_tokens_not_requests(url: str) -> None:
         assert served["a"] > 1500 and served["b"] > 1500
         assert abs(served["a"] - served["b"]) <= max_cost
         assert abs(await q.counter("a") - await q.counter("b")) <= max_cost
+
+    run(url, body)
+
+
+def test_pop_if_next_takes_only_the_request_the_fair_order_puts_first(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        q = FairQueue(r, clock=Clock())
+        for i in range(3):
+            await q.enqueue(A, f"a{i}", 50, 60)
+        assert await q.pop_if_next("a0")  # a is the only tenant: its oldest goes first
+        await q.enqueue(B, "b0", 50, 60)  # b is lifted to a's counter; a is ahead by one request
+        assert not await q.pop_if_next("a2")  # not next: nothing taken
+        assert await q.depth() == 3
+        assert not await q.pop_if_next("b0")  # a1 and b0 tie; a wins the tie
+        assert await q.pop_if_next("a1")
+        assert await q.pop_if_next("b0")  # a was charged 100, b 0: b's turn before a's last
+        assert await q.pop_if_next("a2")
+        assert not await q.pop_if_next("a2") and await q.depth() == 0
 
     run(url, body)
 

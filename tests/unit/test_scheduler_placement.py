@@ -60,11 +60,25 @@ def test_skip_prefill_for_short_prompts_or_prefix_on_the_decode_worker() -> None
 
 def test_exclusions_and_the_least_loaded_prefill_worker() -> None:
     placer = Placer()
-    ps = [worker("p:1", running=5, role="prefill"), worker("p:2", role="prefill")]
+    ps = [worker("p:1", running=1, role="prefill"), worker("p:2", role="prefill")]
     ds = [worker("d:1"), worker("d:2")]
     p = placer.place(ds, ps, 500, 8, BS, exclude={"d:1", "p:2"})
     assert p.decode.address == "d:2" and p.prefill is not None and p.prefill.address == "p:1"
     assert placer.place(ds, ps, 500, 8, BS).prefill.address == "p:2"  # type: ignore[union-attr]
+
+
+def test_full_worker_queues_send_the_request_to_the_fair_queue_instead() -> None:
+    placer = Placer(PlacementPolicy(max_prefill_queue=2, max_decode_queue=3))
+    d, busy_p, open_p = worker("d:1"), worker("p:1", running=1, waiting=1, role="prefill"), worker(
+        "p:2", running=1, role="prefill")
+    assert placer.place([d], [busy_p, open_p], 200, 8, BS).prefill == open_p  # p:1 holds 2 prompts: full
+    with pytest.raises(NoCapacity, match="prefill"):
+        placer.place([d], [busy_p], 200, 8, BS)  # long prompt, every prefill queue full: wait, not local
+    assert placer.place([d], [busy_p], 20, 8, BS).prefill is None  # a short prompt needs no prefill worker
+    queued_d = worker("d:2", waiting=2, transfers=1)  # 3 accepted, not started: full
+    assert placer.place([queued_d, d], [], 20, 8, BS).decode == d
+    with pytest.raises(NoCapacity):
+        placer.place([queued_d], [], 20, 8, BS)
 
 
 def test_version_choice_follows_weights_and_is_sticky() -> None:
