@@ -49,6 +49,8 @@ class TenancyPlan:
     kv_cache_memory: int = 256 << 20  # per worker
     threads: int = 1  # per worker (each has a core)
     max_concurrent: int = 16  # both tenants' quota of requests in flight
+    scheduler_flags: tuple[str, ...] = ()  # extra `baton scheduler` flags
+    prefill_flags: tuple[str, ...] = ()  # extra flags of the prefill worker
 
     def quick(self) -> TenancyPlan:
         return replace(self, quiet_rate=2.0, duration_s=3.0, output_len=8)
@@ -133,13 +135,14 @@ def cluster(plan: TenancyPlan, cores: tuple[int, ...], log_dir: Path,
                   "--threads", str(plan.threads), "--kv-cache-memory", f"{plan.kv_cache_memory >> 20}MiB"]
         gw = f"127.0.0.1:{free_port()}"
         specs: list[tuple[str, list[str], tuple[int, ...] | None, str]] = [
-            ("scheduler", [*BATON, "scheduler", "--redis-url", redis.url, "--port", sched.rsplit(":", 1)[1]],
-             None, sched),
+            ("scheduler", [*BATON, "scheduler", "--redis-url", redis.url, "--port", sched.rsplit(":", 1)[1],
+                           *plan.scheduler_flags], None, sched),
         ]
         for role, core in (("prefill", p_core), ("decode", d_core)):
             port = str(free_port())
-            specs.append((f"{role} worker", [*BATON, "worker", "--role", role, "--port", port, *common], core,
-                          f"127.0.0.1:{port}"))
+            extra = plan.prefill_flags if role == "prefill" else ()
+            specs.append((f"{role} worker", [*BATON, "worker", "--role", role, "--port", port, *common, *extra],
+                          core, f"127.0.0.1:{port}"))
         specs.append(("gateway", [*BATON, "gateway", "--scheduler", sched, "--grpc-port", gw.rsplit(":", 1)[1],
                                   "--http-port", "0"], None, gw))
         for name, argv, core, address in specs:
@@ -275,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--log-dir", type=Path, default=None, help="keep every process's log here")
     p.add_argument("--max-concurrent", type=int, default=TenancyPlan().max_concurrent)
+    p.add_argument("--scheduler-flags", default="", help="extra `baton scheduler` flags, one string")
+    p.add_argument("--prefill-flags", default="", help="extra prefill worker flags, one string")
     args = p.parse_args(argv)
     plan = TenancyPlan().quick() if args.quick else TenancyPlan()
-    plan = replace(plan, max_concurrent=args.max_concurrent)
+    plan = replace(plan, max_concurrent=args.max_concurrent, scheduler_flags=tuple(args.scheduler_flags.split()),
+                   prefill_flags=tuple(args.prefill_flags.split()))
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     print(run_section(args.quick, "python -m benchmarks.tenancy_bench", log=lambda m: print(m, file=sys.stderr),

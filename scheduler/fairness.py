@@ -3,7 +3,8 @@
 When admission must wait (no free decode blocks), requests wait here and leave in Virtual Token Counter
 order (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24): each tenant has a counter
 of the tokens it was served divided by its weight; the next request comes from the waiting tenant with
-the smallest counter, FIFO within a tenant. A tenant that starts waiting is lifted to the smallest
+the smallest counter, FIFO within a tenant. A tenant that starts waiting is lifted to (a thousandth of a
+token below) the smallest
 counter of the tenants already waiting (or, with none waiting, to the counter of the last one that
 left), so credit cannot be banked while idle. Fairness is therefore token-weighted, not per request:
 while two tenants both wait, their counters differ by at most one request's cost / weight.
@@ -32,8 +33,10 @@ import redis.asyncio as aioredis
 from core.errors import CapacityExceeded
 from scheduler.tenants import TenantConfig
 
+TIE = 1e-3  # tokens: how far below a waiting tenant's counter a newcomer is lifted (ties go to it)
+
 # ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
-_LIB = """
+_LIB = f"local TIE = {TIE!r}\n" + """
 local base = ARGV[1]
 -- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
 local function num(x) return string.format('%.17g', x) end
@@ -98,6 +101,9 @@ if not redis.call('ZSCORE', base .. 'active', tenant) then
   local counter = redis.call('HGET', base .. 'vtc', tenant) or '0'
   local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
   local lift = top[2] or redis.call('GET', base .. 'floor') or '0'
+  -- Lifted level with a waiting tenant: a hair below it, so the tie goes to the newcomer, whose
+  -- first request is then not kept behind a backlogged tenant's next one (a thousandth of a token).
+  if top[2] then lift = num(tonumber(top[2]) - TIE) end
   if tonumber(lift) > tonumber(counter) then
     counter = lift
     redis.call('HSET', base .. 'vtc', tenant, counter)

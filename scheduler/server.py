@@ -77,6 +77,10 @@ def add_scheduler_parser(sub: Any) -> None:
     p.add_argument("--accept-any-key", action="store_true",
                    help="unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)")
     p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"])
+    p.add_argument("--max-prefill-queue", type=int, default=d["max_prefill_queue"],
+                   help="prompts a prefill worker holds (prefilling or queued) before requests wait here")
+    p.add_argument("--max-decode-queue", type=int, default=d["max_decode_queue"],
+                   help="requests a decode worker holds waiting or pulling before requests wait here")
     p.set_defaults(func=run_scheduler)
 
 

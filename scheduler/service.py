@@ -64,6 +64,8 @@ class ClusterSchedulerConfig:
     default_tenant: str | None = "default"  # requests without an API key; None = keys required
     accept_any_key: bool = False  # unknown keys also go to the default tenant (a local, single-team cluster)
     local_prefill_threshold: int = 32
+    max_prefill_queue: int = 2  # see scheduler.placement: admission limits
+    max_decode_queue: int = 8
 
 
 STALLED_POLLS = 25  # a waiter that sees room this many polls in a row without its turn hands the turn on
@@ -93,7 +95,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.queue = FairQueue(client, p)
         self.leases = LeaseLedger(client, p)
         self.bus = CancellationBus(client, p)
-        self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold))
+        self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold,
+                                             max_prefill_queue=config.max_prefill_queue,
+                                             max_decode_queue=config.max_decode_queue))
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
