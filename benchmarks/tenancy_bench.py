@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import subprocess
 import sys
@@ -60,6 +61,7 @@ class TenancyPlan:
 class PhaseResult:
     traces: dict[str, list[Trace]] = field(default_factory=dict)
     wall_s: float = 0.0
+    cpu_pct: dict[str, float] = field(default_factory=dict)  # process → % of one core during the phase
 
     def ttfts_ms(self, tenant: str) -> list[float]:
         return [t.ttft_s * 1e3 for t in self.traces.get(tenant, []) if t.error is None and t.ttft_s is not None]
@@ -90,14 +92,25 @@ def arrivals(plan: TenancyPlan, rate: float, seed: int, vocab_size: int, tag: st
     return specs
 
 
-async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: str) -> PhaseResult:
+def _cpu_s(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: str,
+                    pids: dict[str, int] | None = None) -> PhaseResult:
     """Sends every tenant's requests at their arrival times, each on the tenant's own channel with its
-    API key; waits for all of them to end."""
+    API key; waits for all of them to end. With ``pids``, notes each process's CPU use meanwhile."""
     import grpc
 
     from baton.v1 import gateway_pb2_grpc
 
     result = PhaseResult()
+    pids = pids or {}
+    cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     channels = {tenant: grpc.aio.insecure_channel(address) for tenant in streams}
     try:
         t0 = time.perf_counter()
@@ -111,6 +124,7 @@ async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: 
         for tenant, ts in tasks.items():
             result.traces[tenant] = list(await asyncio.gather(*ts))
         result.wall_s = time.perf_counter() - t0
+        result.cpu_pct = {name: 100 * (_cpu_s(pid) - cpu0[name]) / result.wall_s for name, pid in pids.items()}
     finally:
         for ch in channels.values():
             await ch.close()
@@ -119,7 +133,7 @@ async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: 
 
 @contextlib.contextmanager
 def cluster(plan: TenancyPlan, cores: tuple[int, ...], log_dir: Path,
-            log: Callable[[str], None]) -> Iterator[tuple[str, list[str]]]:
+            log: Callable[[str], None]) -> Iterator[tuple[str, list[str], dict[str, int]]]:
     """Redis, the scheduler, P on the first core, D on the second, the gateway; yields the gateway's
     address and the commands (as a user types them)."""
     from scheduler.redis_server import RedisServer
@@ -153,7 +167,10 @@ def cluster(plan: TenancyPlan, cores: tuple[int, ...], log_dir: Path,
                 asyncio.run(_add_tenants(redis.url, plan.max_concurrent))
         _wait_registered(redis.url, 2)
         log(f"[tenancy] cluster up: gateway {gw}")
-        yield gw, [pinned(argv, core) for _, argv, core, _ in specs]
+        pids = {name.split()[0]: p.pid for (name, *_), p in zip(specs, procs, strict=True)}
+        if redis.proc is not None:
+            pids["redis"] = redis.proc.pid
+        yield gw, [pinned(argv, core) for _, argv, core, _ in specs], pids
     finally:
         stop_all(procs)
         redis.stop()
@@ -196,7 +213,6 @@ def _wait_registered(redis_url: str, n: int, timeout_s: float = 120.0) -> None:
 def run_section(quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print,
                 log_dir: Path | None = None, plan: TenancyPlan | None = None) -> str:
     import json
-    import os
 
     from engine.gguf_convert import prepare_default_model
 
@@ -208,13 +224,13 @@ def run_section(quick: bool, command: str, threads: int | None = None, log: Call
     quiet_again = arrivals(plan, plan.quiet_rate, plan.seed + 1, vocab, "quiet")
     flood = arrivals(plan, plan.quiet_rate * plan.flood_factor, plan.seed + 2, vocab, "flood")
     with tempfile.TemporaryDirectory(prefix="baton-bench-tenancy-") as tmp, \
-            cluster(plan, cores, log_dir or Path(tmp), log) as (address, commands):
+            cluster(plan, cores, log_dir or Path(tmp), log) as (address, commands, pids):
         warm = arrivals(replace(plan, duration_s=2.0), 2.0, plan.seed + 3, vocab, "quiet")
         asyncio.run(run_phase(address, {"quiet": warm}, "warm"))
         log(f"[tenancy] solo: {len(quiet)} quiet requests")
-        solo = asyncio.run(run_phase(address, {"quiet": quiet}, "solo"))
+        solo = asyncio.run(run_phase(address, {"quiet": quiet}, "solo", pids))
         log(f"[tenancy] flood: {len(quiet_again)} quiet and {len(flood)} flooding requests")
-        flooded = asyncio.run(run_phase(address, {"quiet": quiet_again, "flood": flood}, "flood"))
+        flooded = asyncio.run(run_phase(address, {"quiet": quiet_again, "flood": flood}, "flood", pids))
     if log_dir is not None:
         (log_dir / "traces.json").write_text(json.dumps({
             phase: {tenant: [{"name": t.name, "sent": t.sent_at, "ttft_ms": None if t.ttft_s is None else t.ttft_s * 1e3,
@@ -263,6 +279,13 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
         err = ", ".join(f"{k} {v}" for k, v in sorted(e.items())) or "none"
         lines.append(f"| {name} | {sent[name]} | {len(ttfts)} | {_ms(percentile(ttfts, 50))} | "
                      f"{_ms(percentile(ttfts, 95))} | {_ms(percentile(ttfts, 99))} | {err} | {tps:.1f} |")
+    if flooded.cpu_pct:
+        names = list(flooded.cpu_pct)
+        lines += ["", "CPU use per process, % of one core (the machine has "
+                  f"{os.cpu_count()}; P and D are pinned to one each, the rest float):", "",
+                  "| phase | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+        for label, r in (("quiet alone", solo), ("under the flood", flooded)):
+            lines.append(f"| {label} | " + " | ".join(f"{r.cpu_pct.get(n, 0.0):.0f}" for n in names) + " |")
     lines += [
         "",
         f"Quiet tenant's TTFT p95 under the flood ÷ alone: **{'—' if ratio is None else f'{ratio:.2f}×'}** "

@@ -7,7 +7,13 @@ There is no separate prefill path: each step a request's ``num_computed_tokens``
 
 * Token budget: at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences per step.
 * Order: running decodes first (one token each, so a long prompt never delays a token stream), then
-  running prompts that are part-way through, then waiting requests — both in arrival order.
+  prompts — running ones part-way through and waiting ones — in *fair order*: the prompt whose tenant
+  was served the fewest tokens on this worker goes first, arrival order within a tenant and between
+  tenants served alike (one tenant: plain arrival order). The tenant is the request's cache salt,
+  which the cluster scheduler derives from it. A tenant that had nothing here is lifted to just below
+  the least-served tenant with work here (a virtual token counter, as in the cluster's fair queue), so
+  idle time earns no credit. A quiet tenant's prompt therefore overtakes a flood of others' prompts at
+  the next step, even one whose chunks have started.
 * Fairness between long and short prompts: a prompt takes at most ``long_prefill_chunk`` tokens per
   step, and the rest of the budget goes to the prompts behind it. Arrival order (FCFS) means a long
   prompt is never overtaken forever; the chunk cap means a short prompt behind it shares each step.
@@ -27,6 +33,9 @@ from dataclasses import dataclass, field
 from core.errors import InvalidRequest
 from core.kv_cache import BlockId, KVCacheManager
 from core.request import FinishReason, Request, RequestId, RequestStatus
+
+FAIR_TIE = 1e-3  # tokens: a lifted tenant starts this far below the least-served one (ties go to it)
+MAX_TRACKED_TENANTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,8 @@ class StepScheduler:
         self.running: list[Request] = []  # in admission order
         self.requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
+        self._served: dict[str, float] = {}  # tenant (cache salt) → tokens computed here, lifted
+        self._active: dict[str, int] = {}  # tenant → its unfinished requests here
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -103,8 +114,23 @@ class StepScheduler:
         if request.num_prompt_tokens == 0:
             raise InvalidRequest("the prompt must contain at least one token")
         request.status = RequestStatus.WAITING
+        self._join(request)
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
+
+    def _join(self, request: Request) -> None:
+        """Counts the request for its tenant; a tenant with nothing here is lifted (see the docstring)."""
+        key = request.cache_salt
+        if not self._active.get(key):
+            floor = min((self._served.get(k, 0.0) for k, n in self._active.items() if n), default=None)
+            mine = self._served.get(key, 0.0)
+            self._served[key] = mine if floor is None else max(mine, floor - FAIR_TIE)
+            if len(self._served) > MAX_TRACKED_TENANTS:  # forget idle tenants; they are lifted anyway
+                self._served = {k: v for k, v in self._served.items() if self._active.get(k)}
+        self._active[key] = self._active.get(key, 0) + 1
+
+    def _fair_key(self, request: Request) -> tuple[float, int]:
+        return self._served.get(request.cache_salt, 0.0), request.arrival_seq
 
     def abort(self, request_id: RequestId) -> Request | None:
         """Drops a request wherever it is and frees its blocks (idempotent; None if unknown)."""
@@ -128,6 +154,11 @@ class StepScheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        left = self._active.get(request.cache_salt, 0) - 1
+        if left > 0:
+            self._active[request.cache_salt] = left
+        else:
+            self._active.pop(request.cache_salt, None)
 
     def add_running(self, request: Request) -> None:
         """Admits a request whose KV is already in its blocks (pulled from a prefill worker): it joins
@@ -135,6 +166,7 @@ class StepScheduler:
         if request.request_id in self.requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.RUNNING
+        self._join(request)
         self.requests[request.request_id] = request
         self.running.append(request)
 
@@ -147,13 +179,38 @@ class StepScheduler:
         out = SchedulerOutput()
         plan = self._plan_running_with_preemption(out)
         budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
         for request, n in plan:
-            self.kv.allocate(request, n)
-            out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
+            if n > 1 or request.num_tokens - request.num_computed_tokens > 1:
+                chunks.append((request, n))  # a prompt part-way through: in fair order below
+                continue
+            self._run(out, request, n)
             budget -= n
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        # Prompts in fair order. The plan's chunks fit the free blocks, and a waiting request is admitted
+        # only into blocks those chunks do not need, so a started prompt always progresses. A chunk
+        # that a fairer waiting request overtakes gets less of the budget, or none this step.
+        pending = sum(self.kv.num_blocks_needed(r, n) for r, n in chunks)
+        admitting = not out.preempted
+        queue = sorted([(self._fair_key(r), 0, r, n) for r, n in chunks] +
+                       ([(self._fair_key(r), 1, r, 0) for r in self.waiting] if admitting else []),
+                       key=lambda x: (x[0], x[1]))
+        for _, is_waiting, request, n in queue:
+            if budget <= 0:
+                break
+            if not is_waiting:
+                pending -= self.kv.num_blocks_needed(request, n)
+                n = min(n, budget)
+                self._run(out, request, n)
+                budget -= n
+            elif admitting and self._admit(out, request, budget, reserve=len(self.running) + pending):
+                budget -= out.scheduled[-1].num_new_tokens
+            else:
+                admitting = False  # the fair head waits for blocks or a slot; no waiting request overtakes it
         return out
+
+    def _run(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        self.kv.allocate(request, n)
+        out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
 
     def update(self, out: SchedulerOutput, sampled: dict[RequestId, int]) -> list[Request]:
         """Applies a finished step: advance progress, append sampled tokens, stop finished requests."""
@@ -162,6 +219,7 @@ class StepScheduler:
             r = s.request
             if r.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            self._served[r.cache_salt] = self._served.get(r.cache_salt, 0.0) + s.num_new_tokens
             r.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(r, r.num_computed_tokens)
             token = sampled.get(r.request_id)
@@ -180,7 +238,7 @@ class StepScheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         plan = [(r, 1) for r in decodes]
         budget -= len(decodes)
-        for r in self.running:
+        for r in sorted(self.running, key=self._fair_key):
             remaining = r.num_tokens - r.num_computed_tokens
             if remaining > 1 and budget > 0:
                 n = min(remaining, self.config.long_prefill_chunk, budget)
@@ -207,22 +265,24 @@ class StepScheduler:
         self.num_preemptions += 1
         self._enqueue_waiting(request)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hit = self.kv.find_prefix(request)
-            remaining = request.num_tokens - hit.num_tokens
-            n = min(remaining, self.config.long_prefill_chunk, budget)
-            if not self.kv.can_allocate(request, n, hit, reserve=len(self.running)):
-                break  # FCFS: the head waits for blocks; nothing overtakes it
-            self.waiting.pop(0)
-            self.kv.allocate(request, n, hit)
-            request.num_computed_tokens = hit.num_tokens
-            request.num_cached_tokens = hit.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
-            budget -= n
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int, reserve: int) -> bool:
+        """Starts a waiting request with up to ``budget`` tokens, leaving ``reserve`` blocks free;
+        False if blocks or sequence slots are short."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        hit = self.kv.find_prefix(request)
+        remaining = request.num_tokens - hit.num_tokens
+        n = min(remaining, self.config.long_prefill_chunk, budget)
+        if not self.kv.can_allocate(request, n, hit, reserve=reserve):
+            return False
+        self.waiting.remove(request)
+        self.kv.allocate(request, n, hit)
+        request.num_computed_tokens = hit.num_tokens
+        request.num_cached_tokens = hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
+        return True
 
     def _enqueue_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: r.arrival_seq)

@@ -106,6 +106,40 @@ def test_fcfs_long_prompt_is_not_overtaken_forever() -> None:
     assert progress == sorted(progress) and progress[-1] >= 20, "the long prompt advances every step"
 
 
+def tenant_req(rid: str, tenant: str, n_prompt: int, max_tokens: int = 1, base: int = 0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(RequestId(rid), [base + i for i in range(n_prompt)], params, seed=0, cache_salt=tenant)
+
+
+def test_a_quiet_tenants_prompt_overtakes_a_flood_at_the_next_step() -> None:
+    s = make(num_blocks=128, max_num_batched_tokens=8, long_prefill_chunk=8)
+    for i in range(4):
+        s.add_request(tenant_req(f"f{i}", "flood", 16, base=100 * i))
+    step(s)  # f0's first chunk
+    assert s.requests["f0"].num_computed_tokens == 8
+    s.add_request(tenant_req("q0", "quiet", 8, base=5000))
+    out, finished = step(s)  # quiet was served nothing: it goes before f0's second chunk
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("q0", 8)]
+    assert [r.request_id for r in finished] == ["q0"]
+    out, _ = step(s)  # then the flood resumes where it was
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("f0", 8)]
+    run_all(s)
+
+
+def test_tenants_share_prompt_tokens_alike_not_requests() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=8, long_prefill_chunk=8, max_num_seqs=8)
+    for i in range(12):  # a sends many small prompts, b a few large ones
+        s.add_request(tenant_req(f"a{i}", "a", 4, base=100 * i))
+    for i in range(3):
+        s.add_request(tenant_req(f"b{i}", "b", 16, base=5000 + 100 * i))
+    served = {"a": 0, "b": 0}
+    for _ in range(6):  # both stay backlogged through these steps
+        out, _ = step(s)
+        for x in out.scheduled:
+            served[x.request.cache_salt] += x.num_new_tokens
+    assert served["a"] == served["b"] == 24
+
+
 def test_preemption_victim_is_least_work_then_latest_arrival() -> None:
     s = make(num_blocks=8, max_num_batched_tokens=64)
     s.add_request(req("a", 7, max_tokens=20))
