@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One healthy worker as the placer sees it."""
+class Candidate(NamedTuple):
+    """One healthy worker as the placer sees it (a tuple: built for every worker at every decision)."""
 
     address: str
     role: str  # prefill | decode | both

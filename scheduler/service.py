@@ -10,6 +10,7 @@ that stop. A reaper expires overdue leases and tells their prefill worker to fre
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -72,6 +73,30 @@ STALLED_POLLS = 25  # a waiter that sees room this many polls in a row without i
 IN_TRANSIT_S = 0.05  # a placement counts against its worker until a load measured this long after it
 
 
+Row = tuple[WorkerView, frozenset[str]]  # a worker in a registry snapshot, and the block hashes it holds
+
+
+class RecentPlacements:
+    """One worker's placements by this replica, oldest first, with running totals."""
+
+    __slots__ = ("_items", "blocks")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[float, int]] = collections.deque()
+        self.blocks = 0
+
+    def add(self, at: float, blocks: int) -> None:
+        self._items.append((at, blocks))
+        self.blocks += blocks
+
+    def since(self, cutoff: float) -> tuple[int, int]:
+        """Forgets the placements made at or before ``cutoff``; (new blocks, requests) of the rest."""
+        items = self._items
+        while items and items[0][0] <= cutoff:
+            self.blocks -= items.popleft()[1]
+        return self.blocks, len(items)
+
+
 def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[str]:
     """The prompt's prefix-hash chain exactly as the workers' KV caches compute it (hex)."""
     hashes: list[str] = []
@@ -101,7 +126,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
-        self._recent: dict[str, list[tuple[float, int]]] = {}  # worker → (placed at, new blocks) per placement
+        self._recent: dict[str, RecentPlacements] = {}  # worker → this replica's placements on it
+        self._split: dict[str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]] = {}  # see _by_version
         self._waiting_here = 0  # requests of this replica in the fair queue
         self._claim = asyncio.Lock()  # one waiter at a time turns seen room into a placement
         # Tenants and keys change rarely: a revoked key stops working within 1 s on every replica.
@@ -131,17 +157,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not ids:
             raise InvalidRequest("prompt_token_ids must not be empty")
         model, weights, shadow = await self._catalog_view(request.model)
-        rows = await self.snapshot.workers(model)
-        version = choose_version(weights, request.request_id,
-                                 {v.record.version for v, _ in rows if v.record.serves("decode")})
+        pools = self._by_version(model, await self.snapshot.workers(model))
+        version = choose_version(weights, request.request_id, {v for v, (d, _) in pools.items() if d})
         if version is None:
             raise Unavailable(f"no healthy decode worker serves model {model!r}")
-        rows = [(v, held) for v, held in rows if v.record.version == version]
-        block_size = rows[0][0].record.block_size
+        decode_rows = pools[version][0]
+        block_size = decode_rows[0][0].record.block_size
         salt = cache_salt(tenant, version)
         chain = prompt_hashes(ids, block_size, salt)  # exactly the chain the workers' caches compute
         blocks_needed = -(-(len(ids) + min(request.max_tokens, block_size)) // block_size)
-        if not any(v.record.serves("decode") and v.worker_id not in request.exclude_workers for v, _ in rows):
+        if not any(v.worker_id not in request.exclude_workers for v, _ in decode_rows):
             raise Unavailable(f"no other healthy decode worker serves model {model!r}")
         if not request.resume:
             await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
@@ -197,11 +222,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             raise ModelNotFound(f"model {name!r} is not served here (served: {', '.join(models) or 'none'})")
         return name
 
+    def _by_version(self, model: str, snapshot: list[Row]) -> dict[str, tuple[list[Row], list[Row]]]:
+        """The snapshot's workers by version, as (decode rows, prefill rows): split once per registry
+        refresh, not once per decision."""
+        cached = self._split.get(model)
+        if cached is not None and cached[0] is snapshot:
+            return cached[1]
+        pools: dict[str, tuple[list[Row], list[Row]]] = {}
+        for row in snapshot:
+            record = row[0].record
+            decode, prefill = pools.setdefault(record.version, ([], []))
+            if record.serves("decode"):
+                decode.append(row)
+            if record.serves("prefill"):
+                prefill.append(row)
+        self._split[model] = (snapshot, pools)
+        return pools
+
     async def _pools(self, model: str, version: str, chain: list[str]) -> tuple[list[Candidate], list[Candidate]]:
-        rows = [(v, held) for v, held in await self.snapshot.workers(model) if v.record.version == version]
-        decode = [self._candidate(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("decode")]
-        prefill = [self._candidate(v, leading_hits(held, chain)) for v, held in rows if v.record.serves("prefill")]
-        return decode, prefill
+        decode, prefill = self._by_version(model, await self.snapshot.workers(model)).get(version, ([], []))
+        return ([self._candidate(v, leading_hits(held, chain) if held else 0) for v, held in decode],
+                [self._candidate(v, leading_hits(held, chain) if held else 0) for v, held in prefill])
 
     def _candidate(self, view: WorkerView, hit_blocks: int) -> Candidate:
         """A worker's load as of its last heartbeat, plus what this replica placed on it since: without
@@ -210,10 +251,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         the gateway, so a load measured just after the placement may not show it yet)."""
         r, load = view.record, view.load
         recent = self._recent.get(r.address)
-        blocks = requests = 0
-        if recent:
-            recent[:] = [(t, b) for t, b in recent if t > load.timestamp - IN_TRANSIT_S]
-            blocks, requests = sum(b for _, b in recent), len(recent)
+        blocks, requests = recent.since(load.timestamp - IN_TRANSIT_S) if recent is not None else (0, 0)
         return Candidate(r.address, r.role, r.num_blocks, max(0, load.free_blocks - blocks), load.running,
                          load.waiting + requests, load.transfers, hit_blocks, load.timestamp)
 
@@ -221,7 +259,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         now = time.time()  # the clock of WorkerLoad.timestamp: this replica's, when the load arrived
         for c, n_blocks in ((placement.decode, max(0, blocks - placement.decode.hit_blocks)), (placement.prefill, 0)):
             if c is not None:
-                self._recent.setdefault(c.address, []).append((now, n_blocks))
+                recent = self._recent.get(c.address)
+                if recent is None:
+                    recent = self._recent[c.address] = RecentPlacements()
+                recent.add(now, n_blocks)
 
     async def _place_or_wait(
         self, model: str, version: str, tenant: TenantConfig, request: pb.PlaceRequest, chain: list[str],
