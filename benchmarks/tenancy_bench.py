@@ -6,6 +6,9 @@ each with its own API key. The quiet tenant sends short chat requests as a Poiss
 ``quiet_rate``; the flooding tenant sends the same kind of requests ``flood_factor`` times as fast,
 far beyond what the decode worker can serve. We measure the quiet tenant's TTFT (client side, request
 sent → first token) alone, then under the flood, and report what happened to the flood's requests.
+
+``python -m benchmarks.tenancy_bench --log-dir D`` keeps every process's log and ``D/traces.json`` (each
+request's client TTFT and the gateway's queue time).
 """
 
 from __future__ import annotations
@@ -74,19 +77,32 @@ class PhaseResult:
                 out[kind] = out.get(kind, 0) + 1
         return out
 
+    def split_ms(self, tenant: str) -> tuple[list[float], list[float]]:
+        """The gateway's own view of TTFT in two: waiting for admission (accepted → a worker started it),
+        and the rest (the prefill and the first token's way back)."""
+        ok = [t for t in self.traces.get(tenant, []) if t.error is None and t.server_queue_ms is not None
+              and t.server_ttft_ms is not None]
+        return ([t.server_queue_ms for t in ok if t.server_queue_ms is not None],
+                [t.server_ttft_ms - t.server_queue_ms for t in ok
+                 if t.server_ttft_ms is not None and t.server_queue_ms is not None])
+
     def tokens_per_s(self, tenant: str) -> float:
         n = sum(len(t.token_ids) for t in self.traces.get(tenant, []) if t.error is None)
         return n / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def arrivals(plan: TenancyPlan, rate: float, seed: int, vocab_size: int, tag: str) -> list[RequestSpec]:
-    """A Poisson stream of chat-sized requests over ``plan.duration_s``."""
+def arrivals(plan: TenancyPlan, rate: float, seed: int, vocab_size: int, tag: str,
+             token_seed: int | None = None) -> list[RequestSpec]:
+    """A Poisson stream of chat-sized requests over ``plan.duration_s``. Times and lengths come from
+    ``seed``, token ids from ``token_seed`` (default: ``seed``): the same stream with other prompts (no
+    prefix-cache hits on the first run's) for a second run."""
     rng = random.Random(seed)
+    tokens = random.Random(seed if token_seed is None else token_seed)
     specs: list[RequestSpec] = []
     t = rng.expovariate(rate)
     while t < plan.duration_s:
         n = rng.randint(*plan.prompt_lens)
-        ids = tuple(rng.randrange(3, vocab_size) for _ in range(n))
+        ids = tuple(tokens.randrange(3, vocab_size) for _ in range(n))
         specs.append(RequestSpec(f"{tag}-{len(specs)}", ids, plan.output_len, kind=tag, start_s=t))
         t += rng.expovariate(rate)
     return specs
@@ -221,7 +237,8 @@ def run_section(quick: bool, command: str, threads: int | None = None, log: Call
     cores = tuple(sorted(os.sched_getaffinity(0))[:2])
     machine = MachineInfo.probe(num_threads=plan.threads)
     quiet = arrivals(plan, plan.quiet_rate, plan.seed, vocab, "quiet")
-    quiet_again = arrivals(plan, plan.quiet_rate, plan.seed + 1, vocab, "quiet")
+    # The quiet tenant sends the same stream (times and sizes) both times, with other prompts.
+    quiet_again = arrivals(plan, plan.quiet_rate, plan.seed, vocab, "quiet", token_seed=plan.seed + 1)
     flood = arrivals(plan, plan.quiet_rate * plan.flood_factor, plan.seed + 2, vocab, "flood")
     with tempfile.TemporaryDirectory(prefix="baton-bench-tenancy-") as tmp, \
             cluster(plan, cores, log_dir or Path(tmp), log) as (address, commands, pids):
@@ -268,7 +285,8 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
         f"request/s (Poisson), the flooding one {plan.quiet_rate * plan.flood_factor:g}/s "
         f"({plan.flood_factor:g}×), each request a {plan.prompt_lens[0]}–{plan.prompt_lens[1]}-token prompt "
         f"and {plan.output_len} greedy output tokens, for {plan.duration_s:g} s; the quiet tenant first "
-        "alone, then under the flood. TTFT is client side (request sent → first token).",
+        "alone, then the same arrivals and sizes (other prompts) under the flood. TTFT is client side "
+        "(request sent → first token).",
         "",
         "| who | requests | ok | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | errors | output tok/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
@@ -279,6 +297,13 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
         err = ", ".join(f"{k} {v}" for k, v in sorted(e.items())) or "none"
         lines.append(f"| {name} | {sent[name]} | {len(ttfts)} | {_ms(percentile(ttfts, 50))} | "
                      f"{_ms(percentile(ttfts, 95))} | {_ms(percentile(ttfts, 99))} | {err} | {tps:.1f} |")
+    (qa, ra), (qf, rf) = solo.split_ms("quiet"), flooded.split_ms("quiet")
+    if qa and qf:
+        lines += ["", "Where the quiet tenant's TTFT goes (the gateway's timings, p50 / p95 ms): waiting for "
+                  f"admission {_ms(percentile(qa, 50))} / {_ms(percentile(qa, 95))} alone, "
+                  f"{_ms(percentile(qf, 50))} / {_ms(percentile(qf, 95))} under the flood; the rest (prefill "
+                  f"and the first token's way back) {_ms(percentile(ra, 50))} / {_ms(percentile(ra, 95))} alone, "
+                  f"{_ms(percentile(rf, 50))} / {_ms(percentile(rf, 95))} under the flood."]
     if flooded.cpu_pct:
         names = list(flooded.cpu_pct)
         lines += ["", "CPU use per process, % of one core (the machine has "

@@ -3,11 +3,14 @@
 When admission must wait (no free decode blocks), requests wait here and leave in Virtual Token Counter
 order (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24): each tenant has a counter
 of the tokens it was served divided by its weight; the next request comes from the waiting tenant with
-the smallest counter, FIFO within a tenant. A tenant that starts waiting is lifted to (a thousandth of a
-token below) the smallest
-counter of the tenants already waiting (or, with none waiting, to the counter of the last one that
-left), so credit cannot be banked while idle. Fairness is therefore token-weighted, not per request:
-while two tenants both wait, their counters differ by at most one request's cost / weight.
+the smallest counter, FIFO within a tenant. A tenant that starts waiting while others wait is put
+between the smallest of their counters minus ``burst_credit_tokens`` and a thousandth of a token below
+it: it banks at most that much credit while idle (0 = plain VTC's lift), and no debt — service it had
+while nobody else waited (the scheduler charges admissions that did not wait too) never keeps its next
+request behind tenants that are backlogged. A light tenant's short burst thus goes before a backlogged
+tenant's requests instead of alternating with them. With none waiting a joining tenant is lifted to the
+counter of the last tenant that left. Fairness is therefore token-weighted, not per request: while two
+tenants both wait, their counters differ by at most one request's cost / weight plus the burst credit.
 
 Popping charges the request's ``cost_tokens`` (the caller's estimate, e.g. prompt + max_tokens) at
 once, in the same script, so concurrent replicas always see the updated counters; ``charge`` corrects
@@ -75,7 +78,7 @@ local function reap()
 end
 """
 
-# ARGV: base, now, id, tenant, cost, timeout_s, weight, tenant max depth, global max depth
+# ARGV: base, now, id, tenant, cost, timeout_s, weight, tenant max depth, global max depth, burst credit
 _ENQUEUE = _LIB + """
 reap()
 local id, tenant = ARGV[3], ARGV[4]
@@ -101,10 +104,15 @@ if not redis.call('ZSCORE', base .. 'active', tenant) then
   local counter = redis.call('HGET', base .. 'vtc', tenant) or '0'
   local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
   local lift = top[2] or redis.call('GET', base .. 'floor') or '0'
-  -- Lifted level with a waiting tenant: a hair below it, so the tie goes to the newcomer, whose
-  -- first request is then not kept behind a backlogged tenant's next one (a thousandth of a token).
-  if top[2] then lift = num(tonumber(top[2]) - TIE) end
-  if tonumber(lift) > tonumber(counter) then
+  if top[2] then
+    -- Joining tenants that wait: kept within [their smallest counter - burst credit, that - TIE].
+    -- Lifted if lower (at most a burst's credit from idle time), lowered if higher (no debt from service
+    -- it had while nobody else waited): its first request goes next, and a short burst of a light
+    -- tenant goes before the backlogged ones instead of alternating with them.
+    local low, high = tonumber(top[2]) - math.max(TIE, tonumber(ARGV[10])), tonumber(top[2]) - TIE
+    counter = num(math.max(low, math.min(high, tonumber(counter))))
+    redis.call('HSET', base .. 'vtc', tenant, counter)
+  elseif tonumber(lift) > tonumber(counter) then
     counter = lift
     redis.call('HSET', base .. 'vtc', tenant, counter)
   end
@@ -200,9 +208,12 @@ class FairQueue:
 
     def __init__(self, client: aioredis.Redis, prefix: str = "baton:", name: str = "default",
                  max_depth: int = 10_000, retry_after_s: float = 1.0,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, burst_credit_tokens: float = 0.0) -> None:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
+        if burst_credit_tokens < 0:
+            raise ValueError("burst_credit_tokens must not be negative")
+        self.burst_credit_tokens = burst_credit_tokens
         self.name = name
         self.max_depth = max_depth
         self.retry_after_s = retry_after_s
@@ -234,7 +245,7 @@ class FairQueue:
             raise ValueError("cost_tokens must not be negative and timeout_s must be positive")
         status = self._collect(await self._enqueue(keys=self._keys, args=self._args(
             request_id, tenant.name, cost_tokens, repr(float(timeout_s)), repr(tenant.weight),
-            tenant.max_queue_depth, self.max_depth)))
+            tenant.max_queue_depth, self.max_depth, repr(self.burst_credit_tokens))))
         if status.startswith("full:"):
             raise CapacityExceeded(
                 f"the waiting queue is full ({status[5:]} requests waiting); retry after "

@@ -53,8 +53,11 @@ class PlacementPolicy:
     overlap_weight: float = 1.0
     local_prefill_threshold: int = 32  # tokens left to compute below which P is skipped
     max_running_hint: int = 64  # a worker's batch size, to scale its queue
-    max_prefill_queue: int = 2  # prompts a prefill worker holds (prefilling or queued) before it is full
+    # Prompts a prefill worker holds (prefilling or queued) before it is full. Prefill is compute-bound,
+    # so one at a time costs little throughput, and every later prompt waits in the fair order.
+    max_prefill_queue: int = 1
     max_decode_queue: int = 8  # requests a decode worker holds waiting or pulling before it is full
+    local_when_prefill_full: bool = False  # every prefill queue full: prefill on D instead of waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,8 @@ class Placer:
             return Placement(None, decode, best[0])
         open_ = [c for c in prefills if c.running + c.waiting < self.policy.max_prefill_queue]
         if not open_:
+            if self.policy.local_when_prefill_full:
+                return Placement(None, decode, best[0])  # conditional disaggregation: prefill on D
             raise NoCapacity("every prefill worker's queue is full")
         prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
         return Placement(prefill, decode, best[0])

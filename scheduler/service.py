@@ -65,8 +65,10 @@ class ClusterSchedulerConfig:
     default_tenant: str | None = "default"  # requests without an API key; None = keys required
     accept_any_key: bool = False  # unknown keys also go to the default tenant (a local, single-team cluster)
     local_prefill_threshold: int = 32
-    max_prefill_queue: int = 2  # see scheduler.placement: admission limits
+    max_prefill_queue: int = 1  # see scheduler.placement: admission limits
     max_decode_queue: int = 8
+    local_when_prefill_full: bool = False
+    burst_credit_tokens: float = 512.0  # fair queue: credit a tenant may bank while idle (scheduler.fairness)
 
 
 STALLED_POLLS = 25  # a waiter that sees room this many polls in a row without its turn hands the turn on
@@ -117,12 +119,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.catalog = ModelCatalog(client, p)
         self.tenants = TenantDirectory(client, p, default_tenant=config.default_tenant)
         self.quota = QuotaLedger(client, p)
-        self.queue = FairQueue(client, p)
+        self.queue = FairQueue(client, p, burst_credit_tokens=config.burst_credit_tokens)
         self.leases = LeaseLedger(client, p)
         self.bus = CancellationBus(client, p)
         self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold,
                                              max_prefill_queue=config.max_prefill_queue,
-                                             max_decode_queue=config.max_decode_queue))
+                                             max_decode_queue=config.max_decode_queue,
+                                             local_when_prefill_full=config.local_when_prefill_full))
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
@@ -130,6 +133,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._split: dict[str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]] = {}  # see _by_version
         self._waiting_here = 0  # requests of this replica in the fair queue
         self._claim = asyncio.Lock()  # one waiter at a time turns seen room into a placement
+        self._load_changed = asyncio.Event()  # set (and replaced) when a heartbeat here changes a load
+        self._uncharged: dict[str, tuple[TenantConfig, float]] = {}  # tenant → tokens admitted, not yet charged
         # Tenants and keys change rarely: a revoked key stops working within 1 s on every replica.
         self._tenant_cache: TTLCache[str, TenantConfig] = TTLCache(1.0)
         # Rollout weights: at once on this replica (SetRollout invalidates), within 50 ms on the others.
@@ -277,12 +282,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         def place(pools: tuple[list[Candidate], list[Candidate]]) -> Placement:
             return self.placer.place(*pools, num_prompt_tokens, request.max_tokens, block_size, exclude)
 
+        why = "others are waiting"
         if not self._waiting_here:  # with others waiting, a newcomer queues too: the fair order decides
-            with contextlib.suppress(NoCapacity):  # no room now: wait below
+            try:
                 placement = place(await self._pools(model, version, chain))
+            except NoCapacity as e:  # no room now: wait below
+                why = str(e)
+            else:
                 self._note_placement(placement, blocks_needed)
+                # Fair order counts every admission, not only the queued ones: charged to the tenant's
+                # counter with the next flush (before anyone here enqueues or claims).
+                _, tokens = self._uncharged.get(tenant.name, (tenant, 0.0))
+                self._uncharged[tenant.name] = (tenant, tokens + num_prompt_tokens + request.max_tokens)
                 return placement
         rid = request.request_id
+        t0 = time.monotonic()
+        await self._flush_charges()
         await self.queue.enqueue(tenant, rid, num_prompt_tokens + request.max_tokens, self.config.queue_timeout_s)
         deadline = time.monotonic() + self.config.queue_timeout_s
         ready_key = f"{self.config.prefix}fq:ready:{rid}"
@@ -290,15 +305,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._waiting_here += 1
         try:
             while time.monotonic() < deadline:
-                await asyncio.sleep(self.config.queue_poll_s)
-                pools = await self._pools(model, version, chain)  # new or undrained workers too
-                async with self._claim:
+                with contextlib.suppress(asyncio.TimeoutError):  # a load change here, or the poll
+                    await asyncio.wait_for(self._load_changed.wait(), self.config.queue_poll_s)
+                async with self._claim:  # the load read inside: it must include the last waiter's claim
                     try:
-                        placement = place(pools)
+                        placement = place(await self._pools(model, version, chain))
                     except NoCapacity:
                         continue
+                    await self._flush_charges()
                     if await self.queue.pop_if_next(rid) or await self._client.delete(ready_key):
                         self._note_placement(placement, blocks_needed)
+                        log.debug("request %s (tenant %s) waited %.0f ms (%s)", rid, tenant.name,
+                                  (time.monotonic() - t0) * 1e3, why)
                         return placement
                     stalled += 1
                     if stalled >= STALLED_POLLS:
@@ -315,6 +333,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             self._waiting_here -= 1
             await self.queue.remove(rid)
             await self._client.delete(ready_key)
+
+    async def _flush_charges(self) -> None:
+        """Charges the admissions placed without waiting to their tenants' fair-queue counters."""
+        pending, self._uncharged = self._uncharged, {}
+        for tenant, tokens in pending.values():
+            await self.queue.charge(tenant, tokens)
 
     async def _add_shadow(self, resp: pb.PlaceResponse, model: str, request_id: str,
                           shadow: tuple[str | None, float]) -> None:
@@ -378,7 +402,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
         hashes = None if request.load_only else list(request.cached_block_hashes)
-        known = await self.registry.heartbeat(request.address, _load(request.load), hashes)
+        load = _load(request.load)
+        known = await self.registry.heartbeat(request.address, load, hashes)
+        if known and self.snapshot.update_load(request.address, load):
+            self._load_changed.set()  # wake this replica's waiters: a slot may have freed
+            self._load_changed = asyncio.Event()
         return pb.HeartbeatResponse(known=known)
 
     # ------------------------------------------------------------------ model versions

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Generic, TypeVar
 
-from scheduler.registry import WorkerRegistry, WorkerView
+from scheduler.registry import WorkerLoad, WorkerRegistry, WorkerView
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -81,6 +82,20 @@ class RegistrySnapshot:
         if cached is not None and age <= self.max_stale_s:
             return cached[1]  # stale-while-revalidate: the refresh lands for the next decision
         return await asyncio.shield(task)
+
+    def update_load(self, worker_id: str, load: WorkerLoad) -> bool:
+        """A heartbeat this replica just wrote: applies the worker's new load to the copy at once (a new
+        list, so decisions holding the old one are unaffected). False if no copy holds the worker."""
+        for model, (read_at, rows) in self._data.items():
+            for i, (view, held) in enumerate(rows):
+                if view.worker_id == worker_id:
+                    if view.load.timestamp >= load.timestamp:
+                        return False
+                    fresh = list(rows)
+                    fresh[i] = (replace(view, load=load), held)
+                    self._data[model] = (read_at, fresh)
+                    return True
+        return False
 
     def invalidate(self, model: str | None = None) -> None:
         """Forget the copy (after a registration, so a new worker is placeable at once)."""

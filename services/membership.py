@@ -21,7 +21,7 @@ from engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 MAX_PUBLISHED_HASHES = 4096  # placement needs leading blocks; a bounded set keeps heartbeats small
-LOAD_BEAT_S = 0.05  # between full heartbeats, a changed load is published this often at most
+LOAD_BEAT_S = 0.02  # between full heartbeats, a changed load is published this often at most
 
 
 class Membership:

@@ -90,8 +90,11 @@ def scheduler(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> I
     with socket.socket() as s:  # a fixed port, so that a test can restart it where workers look for it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # A burst is dispatched to the workers at once (no prefill admission limit), so that a worker dies
+    # with work queued on it; the admission limits are unit-tested and measured by the Tenancy benchmark.
     proc = SchedulerProcess(redis.url, tmp_path_factory.mktemp("scheduler"), "--port", str(port),
-                            "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S), "--local-prefill-threshold", "8")
+                            "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S), "--local-prefill-threshold", "8",
+                            "--max-prefill-queue", "64")
     try:
         proc.wait_ready(time.monotonic() + 60)
         yield proc

@@ -59,7 +59,7 @@ def test_skip_prefill_for_short_prompts_or_prefix_on_the_decode_worker() -> None
 
 
 def test_exclusions_and_the_least_loaded_prefill_worker() -> None:
-    placer = Placer()
+    placer = Placer(PlacementPolicy(max_prefill_queue=4))
     ps = [worker("p:1", running=1, role="prefill"), worker("p:2", role="prefill")]
     ds = [worker("d:1"), worker("d:2")]
     p = placer.place(ds, ps, 500, 8, BS, exclude={"d:1", "p:2"})

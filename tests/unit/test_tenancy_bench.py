@@ -18,6 +18,9 @@ def test_arrivals_are_a_seeded_poisson_stream_within_the_phase() -> None:
     assert 150 < len(a) < 250  # ≈ rate × duration
     assert all(0 < x.start_s < 100 for x in a) and [x.start_s for x in a] == sorted(x.start_s for x in a)
     assert all(32 <= len(x.prompt_ids) <= 64 and x.max_tokens == plan.output_len for x in a)
+    again = arrivals(plan, 2.0, 1, 1000, "quiet", token_seed=2)  # the same stream, other prompts
+    assert [(x.start_s, len(x.prompt_ids)) for x in again] == [(x.start_s, len(x.prompt_ids)) for x in a]
+    assert all(x.prompt_ids != y.prompt_ids for x, y in zip(a, again, strict=True))
 
 
 def _trace(name: str, ttft_s: float, error: str | None = None) -> Trace:
