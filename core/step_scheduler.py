@@ -28,6 +28,8 @@ There is no separate prefill path: each step a request's ``num_computed_tokens``
 from __future__ import annotations
 
 import bisect
+import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from core.errors import InvalidRequest
@@ -191,9 +193,13 @@ class StepScheduler:
         # that a fairer waiting request overtakes gets less of the budget, or none this step.
         pending = sum(self.kv.num_blocks_needed(r, n) for r, n in chunks)
         admitting = not out.preempted
-        queue = sorted([(self._fair_key(r), 0, r, n) for r, n in chunks] +
-                       ([(self._fair_key(r), 1, r, 0) for r in self.waiting] if admitting else []),
-                       key=lambda x: (x[0], x[1]))
+        started = [(self._fair_key(r), 0, r, n) for r, n in chunks]  # fair order already (_plan_running)
+        waiting = ((self._fair_key(r), 1, r, 0) for r in (tuple(self.waiting) if admitting else ()))  # _admit removes
+        # One tenant (the common case): the waiting queue is in arrival order, which is the fair order, so
+        # merge lazily instead of sorting every waiting request every step.
+        queue: Iterable[tuple[tuple[float, int], int, Request, int]] = (
+            heapq.merge(started, waiting, key=lambda x: (x[0], x[1])) if len(self._active) <= 1
+            else sorted([*started, *waiting], key=lambda x: (x[0], x[1])))
         for _, is_waiting, request, n in queue:
             if budget <= 0:
                 break

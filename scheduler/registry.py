@@ -79,34 +79,8 @@ end
 return gone
 """
 
-# One round trip for placement: every live worker of a model (not drained), its fields, and how many
-# leading hashes of the request's chain its prefix set holds. Parsing 64 HGETALLs and 64 SMISMEMBERs
-# in Python cost ~15 ms per decision; this returns one flat row per worker.
-_SNAPSHOT = """
-local out = {}
-local chains = cjson.decode(ARGV[3])
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local row = redis.call('HGETALL', ARGV[1] .. id)
-  if #row > 0 then
-    local f = {}
-    for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
-    if f['model'] == ARGV[4] and f['draining'] ~= '1' and f['drain_requested'] ~= '1' then
-      local hit = 0
-      local set = ARGV[2] .. id
-      for _, h in ipairs(chains[f['version']] or {}) do
-        if redis.call('SISMEMBER', set, h) == 0 then break end
-        hit = hit + 1
-      end
-      table.insert(out, cjson.encode(f))
-      table.insert(out, hit)
-    end
-  end
-end
-return out
-"""
-
-# The same, for a scheduler that keeps a short-lived local copy: every live worker of the model with
-# its whole published prefix set.
+# One round trip for a scheduler's short-lived local copy (scheduler.snapshot): every live, undrained
+# worker of the model with its whole published prefix set.
 # ARGV[4]: JSON {worker id: prefix_gen} of the sets the caller already holds; those come back as 0.
 _SNAPSHOT_SETS = """
 local out = {}
@@ -233,7 +207,6 @@ class WorkerRegistry:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._set_draining = client.register_script(_SET_DRAINING)
         self._sweep = client.register_script(_SWEEP)
-        self._snapshot = client.register_script(_SNAPSHOT)
         self._snapshot_sets = client.register_script(_SNAPSHOT_SETS)
 
     def _worker_key(self, worker_id: str) -> str:
@@ -329,17 +302,6 @@ class WorkerRegistry:
             log.warning("worker %s missed its heartbeats for %.1fs: evicted", worker_id, self.heartbeat_timeout_s)
         return gone
 
-    async def placement_snapshot(self, model: str, chains: Mapping[str, Sequence[str]]
-                                 ) -> list[tuple[WorkerView, int]]:
-        """Every live, undrained worker of ``model`` with its prefix overlap (the leading run it holds
-        of ``chains[its version]``, the request's hash chain as that version's cache computes it), in
-        one round trip — all a placement decision reads from the registry."""
-        blob = json.dumps({v: list(h) for v, h in chains.items()}) if chains else "{}"
-        raw = await self._snapshot(keys=[self._index],
-                                   args=[f"{self._prefix}worker:", f"{self._prefix}prefix:", blob, model])
-        rows = cast(list[Any], raw)
-        return [(_parse_view(json.loads(rows[i])), int(rows[i + 1])) for i in range(0, len(rows), 2)]
-
     async def snapshot_with_prefixes(
         self, model: str, known: Mapping[str, tuple[str, frozenset[str]]] | None = None
     ) -> list[tuple[WorkerView, str, frozenset[str]]]:
@@ -358,24 +320,3 @@ class WorkerRegistry:
             rows.append((_parse_view(fields), gen, held))
         return rows
 
-    async def prefix_overlap(self, worker_ids: Sequence[str], hashes: Sequence[str]) -> dict[str, int]:
-        """For each worker, how many leading blocks of a request's hash chain it holds.
-
-        Only the leading run counts: a block's KV is only reusable if every block before it is cached
-        too, so the count stops at the first miss. One round trip for all workers.
-        """
-        if not hashes or not worker_ids:
-            return {worker_id: 0 for worker_id in worker_ids}
-        pipe = self._redis.pipeline(transaction=False)
-        for worker_id in worker_ids:
-            pipe.smismember(self._prefix_key(worker_id), list(hashes))
-        results: list[list[int | bool]] = await pipe.execute()
-        overlap = {}
-        for worker_id, members in zip(worker_ids, results, strict=True):
-            count = 0
-            for member in members:
-                if not member:
-                    break
-                count += 1
-            overlap[worker_id] = count
-        return overlap

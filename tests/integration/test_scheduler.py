@@ -115,9 +115,9 @@ def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server:
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=f"burst{i}", tenant="default"))
 
         # Warm d1's prefix cache with the tenant's salt; its next heartbeat publishes the hashes.
-        async for _ in d1_stub.Decode(worker_pb2.DecodeRequest(request_id="warm", prompt_token_ids=long_prompt,
-                                                               sampling=GREEDY, cache_salt=placed.cache_salt)):
-            pass
+        warm = [m async for m in d1_stub.Decode(worker_pb2.DecodeRequest(
+            request_id="warm", prompt_token_ids=long_prompt, sampling=GREEDY, cache_salt=placed.cache_salt))]
+        assert warm[-1].finish_reason
         for rid in ("a", "b", "warm"):
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant="default"))
 
@@ -177,9 +177,8 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
         await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="early"))
         await asyncio.sleep(0.2)  # the bus delivers asynchronously
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in d_stub.Decode(worker_pb2.DecodeRequest(request_id="early", prompt_token_ids=[7] * 30,
-                                                                  sampling=long)):
-                pass
+            _ = [m async for m in d_stub.Decode(worker_pb2.DecodeRequest(
+                request_id="early", prompt_token_ids=[7] * 30, sampling=long))]
         assert e.value.code() == grpc.StatusCode.CANCELLED and "before it arrived" in (e.value.details() or "")
 
         # The lease reaper: a prefill whose decode never comes; its lease expires and P frees the blocks.

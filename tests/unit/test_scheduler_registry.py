@@ -1,4 +1,5 @@
-"""WorkerRegistry against a real redis-server: TTL eviction, draining, re-registration, prefix overlap."""
+"""WorkerRegistry against a real redis-server: TTL eviction, draining, re-registration, published prefix
+sets and the overlap placement reads from them."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from redis_runner import run
 
 from core.errors import InvalidRequest
 from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+from scheduler.snapshot import leading_hits
 
 pytestmark = pytest.mark.unit
 
 TTL = 1.0  # heartbeat timeout in these tests: short, yet with slack for a loaded CI machine
-
-
 
 
 def record(worker_id: str, role: str = "decode", model: str = "llama", version: str = "v1") -> WorkerRecord:
@@ -31,6 +31,13 @@ def load(free_blocks: int = 100, draining: bool = False) -> WorkerLoad:
 
 def ids(views: Any) -> list[str]:
     return [view.worker_id for view in views]
+
+
+async def overlap(reg: WorkerRegistry, workers: list[str], chain: list[str]) -> dict[str, int]:
+    """Each worker's prefix overlap as placement computes it: the published sets of the model's live
+    workers in one read (`snapshot_with_prefixes`), then the leading run of the chain each one holds."""
+    held = {view.worker_id: hashes for view, _, hashes in await reg.snapshot_with_prefixes("llama")}
+    return {w: leading_hits(held.get(w, frozenset()), chain) for w in workers}
 
 
 def test_register_and_filter_by_model_version_and_role(url: str) -> None:
@@ -138,25 +145,25 @@ def test_prefix_overlap_counts_leading_hashes_only(url: str) -> None:
         await reg.register(record("c:1"), load())
         chain = ["h0", "h1", "h2", "h3"]
         workers = ["a:1", "b:1", "c:1", "ghost:1"]
-        assert await reg.prefix_overlap(workers, chain) == {"a:1": 2, "b:1": 0, "c:1": 0, "ghost:1": 0}
-        assert await reg.prefix_overlap(workers, []) == dict.fromkeys(workers, 0)
+        assert await overlap(reg, workers, chain) == {"a:1": 2, "b:1": 0, "c:1": 0, "ghost:1": 0}
+        assert await overlap(reg, workers, []) == dict.fromkeys(workers, 0)
 
         assert await reg.heartbeat("a:1", load())  # no hashes given: the published set is kept
-        assert (await reg.prefix_overlap(["a:1"], chain))["a:1"] == 2
+        assert (await overlap(reg, ["a:1"], chain))["a:1"] == 2
         assert await reg.heartbeat("a:1", load(), ["h0", "h1", "h2", "h3", "h4"])  # replaced
-        assert (await reg.prefix_overlap(["a:1"], chain))["a:1"] == 4
+        assert (await overlap(reg, ["a:1"], chain))["a:1"] == 4
         assert await reg.heartbeat("a:1", load(), [])  # an emptied cache
-        assert (await reg.prefix_overlap(["a:1"], chain))["a:1"] == 0
+        assert (await overlap(reg, ["a:1"], chain))["a:1"] == 0
 
         many = [f"{i:064x}" for i in range(2500)]  # more than one Lua unpack() slice
         assert await reg.heartbeat("c:1", load(), many)
-        assert (await reg.prefix_overlap(["c:1"], many))["c:1"] == 2500
-        assert (await reg.prefix_overlap(["c:1"], [*many[:10], "x", *many[10:]]))["c:1"] == 10
+        assert (await overlap(reg, ["c:1"], many))["c:1"] == 2500
+        assert (await overlap(reg, ["c:1"], [*many[:10], "x", *many[10:]]))["c:1"] == 10
 
         await asyncio.sleep(TTL + 0.05)  # the published set expires with the worker
         assert await r.exists("baton:prefix:c:1") == 0
         await reg.register(record("c:1"), load())
-        assert (await reg.prefix_overlap(["c:1"], many))["c:1"] == 0
+        assert (await overlap(reg, ["c:1"], many))["c:1"] == 0
 
     run(url, body)
 
@@ -166,7 +173,7 @@ def test_reregistration_clears_the_published_prefix_set(url: str) -> None:
         reg = WorkerRegistry(r)
         await reg.register(record("a:1"), load(), cached_hashes=["h0"])
         await reg.register(record("a:1"), load())  # restarted process: its cache is empty
-        assert await reg.prefix_overlap(["a:1"], ["h0"]) == {"a:1": 0}
+        assert await overlap(reg, ["a:1"], ["h0"]) == {"a:1": 0}
 
     run(url, body)
 
@@ -189,7 +196,7 @@ def test_invalid_records_are_rejected() -> None:
                      kv_backend="tcp")
 
 
-def test_placement_snapshot_reads_live_workers_and_overlap_per_version(url: str) -> None:
+def test_snapshot_reads_live_undrained_workers_and_resends_only_changed_sets(url: str) -> None:
     async def body(r: aioredis.Redis) -> None:
         reg = WorkerRegistry(r, heartbeat_timeout_s=5.0)
         await reg.register(record("d:1", version="v1"), load())
@@ -198,9 +205,15 @@ def test_placement_snapshot_reads_live_workers_and_overlap_per_version(url: str)
         await reg.register(record("x:1"), load(draining=True))
         await reg.heartbeat("d:1", load(), ["a", "b", "z"])
         await reg.heartbeat("d:2", load(), ["a2"])
-        rows = await reg.placement_snapshot("llama", {"v1": ["a", "b", "c"], "v2": ["q", "a2"]})
-        got = sorted((view.worker_id, hit) for view, hit in rows)
-        assert got == [("d:1", 2), ("d:2", 0)]  # leading run only; draining and other models left out
-        assert sorted(v.worker_id for v, _ in await reg.placement_snapshot("llama", {})) == ["d:1", "d:2"]
+        rows = await reg.snapshot_with_prefixes("llama")
+        got = {view.worker_id: (view.record.version, held) for view, _, held in rows}
+        assert got == {"d:1": ("v1", frozenset({"a", "b", "z"})), "d:2": ("v2", frozenset({"a2"}))}
+        assert leading_hits(got["d:1"][1], ["a", "b", "c"]) == 2  # leading run only
+        # A caller that holds a set of the same generation gets it back without it being sent again.
+        known = {view.worker_id: (gen, held) for view, gen, held in rows}
+        assert await reg.heartbeat("d:2", load(), ["a2", "b2"])  # d:2 publishes a new set
+        again = {view.worker_id: held for view, _, held in await reg.snapshot_with_prefixes("llama", known)}
+        assert again["d:1"] is known["d:1"][1]
+        assert again["d:2"] == frozenset({"a2", "b2"})
 
     run(url, body)
