@@ -10,7 +10,7 @@ PROMPT ?= The capital of France is
 PROTO_SRC := $(wildcard proto/baton/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py) $(PROTO_SRC:.proto=_pb2_grpc.py)
 
-.PHONY: setup proto model run generate test test-fast bench lint clean
+.PHONY: setup proto model run generate test test-fast bench peers lint clean
 
 setup: $(STAMP) proto model
 
@@ -51,10 +51,20 @@ test-fast: $(STAMP) proto
 bench: setup
 	$(PY) -m benchmarks.run
 
+# The peers `make bench` compares Baton with, run here on CPU: `transformers serve` (in .venv) and
+# llama.cpp's OpenAI-compatible server (llama-cpp-python, built from source: ~25 min on 2 cores, once).
+PEERS_VENV ?= .venv-peers
+LLAMA_CPP_PYTHON ?= llama-cpp-python[server]==0.3.36
+peers: setup
+	$(PIP) install -c constraints.txt -e '.[test,dev,peers]'
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -c "import llama_cpp" 2>/dev/null || \
+		$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install '$(LLAMA_CPP_PYTHON)'
+
 lint: $(STAMP) proto
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
 	rm -f proto/baton/v1/*_pb2*.py proto/baton/v1/*_pb2.pyi
