@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from benchmarks.report import MachineInfo, provenance
@@ -47,6 +47,7 @@ async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dic
     from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
     from scheduler.service import prompt_hashes
     from scheduler.tenants import TenantConfig, cache_salt
+    from services.placement import CallStream
 
     rng = random.Random(7)
     channel = grpc.aio.insecure_channel(address)
@@ -89,38 +90,55 @@ async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dic
             await asyncio.sleep(0.5)
 
     beating = asyncio.create_task(heartbeats())
+    # The gateway's path: its one `Calls` stream (services.placement.CallStream), as SchedulerRouter uses it.
+    calls = CallStream(stub, address)
+
+    async def streamed(req: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
+        reply: scheduler_pb2.PlaceResponse = await calls.call(30.0, place=req)
+        return reply
+
+    async def unary(req: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:
+        reply: scheduler_pb2.PlaceResponse = await stub.Place(req)
+        return reply
+
     warm, sequential = (20, 100) if quick else (200, 2000)
     for n in range(warm):
-        await stub.Place(request(n))
+        await streamed(request(n))
     client_ms: list[float] = []
     server_ms: list[float] = []
     for n in range(warm, warm + sequential):
         t0 = time.perf_counter()
-        reply = await stub.Place(request(n))
+        reply = await streamed(request(n))
         client_ms.append((time.perf_counter() - t0) * 1e3)
         server_ms.append(reply.decision_ms)
 
     duration = 1.0 if quick else 5.0
     concurrency = 32
-    done = 0
     counter = iter(range(10**9))
-    stop_at = time.perf_counter() + duration
 
-    async def loop() -> None:
-        nonlocal done
-        while time.perf_counter() < stop_at:
-            await stub.Place(request(1_000_000 + next(counter)))
-            done += 1
+    async def rate(place: Callable[[scheduler_pb2.PlaceRequest], Awaitable[scheduler_pb2.PlaceResponse]]) -> float:
+        done = 0
+        stop_at = time.perf_counter() + duration
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
+        async def loop() -> None:
+            nonlocal done
+            while time.perf_counter() < stop_at:
+                await place(request(1_000_000 + next(counter)))
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+    stream_rate = await rate(streamed)
+    unary_rate = await rate(unary)
     beating.cancel()
-    rate = done / (time.perf_counter() - t0)
+    await calls.close()
     await channel.close()
     return {
         "client_p50": statistics.median(client_ms), "client_p99": _percentile(client_ms, 99),
         "server_p50": statistics.median(server_ms), "server_p99": _percentile(server_ms, 99),
-        "rate": rate, "concurrency": concurrency, "sequential": sequential,
+        "rate": stream_rate, "unary_rate": unary_rate, "concurrency": concurrency, "sequential": sequential,
     }
 
 
@@ -170,7 +188,9 @@ def run_section(quick: bool, command: str, threads: int | None, log: Callable[[s
         f"One `baton scheduler` process and a real redis-server on loopback ({pinning}). {NUM_WORKERS} workers "
         f"registered through `RegisterWorker` / `Heartbeat` ({NUM_WORKERS // 4} prefill, the rest decode; "
         f"{TOTAL_HASHES // NUM_WORKERS * NUM_WORKERS} published prefix hashes). Each `Place` carries a "
-        f"{PROMPT_TOKENS}-token prompt whose leading blocks some workers hold: the scheduler resolves the "
+        f"{PROMPT_TOKENS}-token prompt whose leading blocks some workers hold, sent the way a gateway sends it: "
+        "on its one long-lived `Calls` stream (the client is the gateway's own `CallStream`). The scheduler "
+        "resolves the "
         "tenant, picks the version, hashes the prompt with the tenant's salt, reads every worker's load "
         "and prefix overlap, charges the quota and runs the cost function.",
         "",
@@ -179,7 +199,10 @@ def run_section(quick: bool, command: str, threads: int | None, log: Callable[[s
         f"| decision latency p50, client side (sequential, {r['sequential']:.0f} calls) | {r['client_p50']:.2f} ms | |",
         f"| decision latency p99, client side | {r['client_p99']:.2f} ms | < 2 ms: **{'met' if p99_ok else 'not met'}** |",
         f"| decision time p50 / p99, inside the scheduler | {r['server_p50']:.2f} / {r['server_p99']:.2f} ms | |",
-        f"| decisions/s, {r['concurrency']:.0f} in flight | {r['rate']:.0f} | ≥ 2,000: **{'met' if rate_ok else 'not met'}** |",
+        f"| decisions/s, {r['concurrency']:.0f} in flight on the gateway's `Calls` stream | {r['rate']:.0f} | "
+        f"≥ 2,000: **{'met' if rate_ok else 'not met'}** |",
+        f"| decisions/s, {r['concurrency']:.0f} in flight as unary `Place` calls (for comparison) | "
+        f"{r['unary_rate']:.0f} | |",
         "",
         "Registrations are RPCs, not worker processes: 64 engines do not fit on this machine, and placement "
         "reads only what the registry holds. Each registered worker sends a load-only heartbeat every 0.5 s "

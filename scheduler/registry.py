@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import redis.asyncio as aioredis
 
@@ -80,8 +80,10 @@ return gone
 """
 
 # One round trip for a scheduler's short-lived local copy (scheduler.snapshot): every live, undrained
-# worker of the model with its whole published prefix set.
-# ARGV[4]: JSON {worker id: prefix_gen} of the sets the caller already holds; those come back as 0.
+# worker of the model with its whole published prefix set, as (id, record, prefix_gen, set).
+# ARGV[4]: JSON {worker id: [prefix_gen, timestamp]} of what the caller already holds. A record whose
+# load timestamp it holds comes back as 0 (its copy stands: most heartbeats reach the replica that
+# refreshes, which applied them already), and so does a set of the generation it holds.
 _SNAPSHOT_SETS = """
 local out = {}
 local known = cjson.decode(ARGV[4])
@@ -91,8 +93,15 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     local f = {}
     for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
     if f['model'] == ARGV[3] and f['draining'] ~= '1' and f['drain_requested'] ~= '1' then
-      table.insert(out, cjson.encode(f))
-      if known[id] ~= nil and known[id] == f['prefix_gen'] then
+      local k = known[id]
+      table.insert(out, id)
+      if k ~= nil and k[2] == f['timestamp'] then
+        table.insert(out, 0)
+      else
+        table.insert(out, cjson.encode(f))
+      end
+      table.insert(out, f['prefix_gen'] or '')
+      if k ~= nil and k[1] == f['prefix_gen'] then
         table.insert(out, 0)
       else
         table.insert(out, redis.call('SMEMBERS', ARGV[2] .. id))
@@ -185,6 +194,14 @@ def _parse_view(row: dict[str, str]) -> WorkerView:
         transfers=int(row["transfers"]), leases=int(row["leases"]), draining=row["draining"] == "1",
         timestamp=float(row["timestamp"]))
     return WorkerView(record=record, load=load, drain_requested=row.get("drain_requested") == "1")
+
+
+class KnownWorker(NamedTuple):
+    """What a registry reader already holds of one worker (see `WorkerRegistry.snapshot_with_prefixes`)."""
+
+    view: WorkerView
+    prefix_gen: str
+    held: frozenset[str]
 
 
 class WorkerRegistry:
@@ -303,20 +320,19 @@ class WorkerRegistry:
         return gone
 
     async def snapshot_with_prefixes(
-        self, model: str, known: Mapping[str, tuple[str, frozenset[str]]] | None = None
+        self, model: str, known: Mapping[str, KnownWorker] | None = None
     ) -> list[tuple[WorkerView, str, frozenset[str]]]:
         """Every live, undrained worker of ``model`` with its prefix-set generation and set, in one
-        round trip. ``known`` (worker id → (generation, set)) is what the caller already holds: an
-        unchanged set is not sent again."""
+        round trip. ``known`` (worker id → what the caller holds of it) saves sending and parsing what
+        did not change: a record whose load timestamp it holds, a set of the generation it holds."""
         known = known or {}
         raw = cast(list[Any], await self._snapshot_sets(
-            keys=[self._index], args=[f"{self._prefix}worker:", f"{self._prefix}prefix:", model,
-                                      json.dumps({k: gen for k, (gen, _) in known.items()}) if known else "{}"]))
+            keys=[self._index], args=[f"{self._prefix}worker:", f"{self._prefix}prefix:", model, json.dumps(
+                {k: [w.prefix_gen, repr(w.view.load.timestamp)] for k, w in known.items()}) if known else "{}"]))
         rows = []
-        for i in range(0, len(raw), 2):
-            fields = json.loads(raw[i])
-            gen = str(fields.get("prefix_gen", ""))
-            held = known[fields["worker_id"]][1] if raw[i + 1] == 0 else frozenset(raw[i + 1])
-            rows.append((_parse_view(fields), gen, held))
+        for i in range(0, len(raw), 4):
+            worker_id, fields, gen, held = raw[i:i + 4]
+            view = known[worker_id].view if fields == 0 else _parse_view(json.loads(fields))
+            rows.append((view, gen, known[worker_id].held if held == 0 else frozenset(held)))
         return rows
 

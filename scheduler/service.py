@@ -15,16 +15,17 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import redis.asyncio as aioredis
+from google.protobuf.message import Message
 from redis.exceptions import RedisError
 
+from baton.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from baton.v1 import scheduler_pb2 as pb
-from baton.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from core.errors import (
     CapacityExceeded,
     InvalidRequest,
@@ -138,19 +139,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         # Tenants and keys change rarely: a revoked key stops working within 1 s on every replica.
         self._tenant_cache: TTLCache[str, TenantConfig] = TTLCache(1.0)
         # Rollout weights: at once on this replica (SetRollout invalidates), within 50 ms on the others.
+        # What each call on the `Calls` stream runs: the unary calls' own code.
+        self._stream_handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
+            "place": self._timed_place, "finish": self._finish, "report_lease": self._report_lease,
+            "cancel": self._cancel,
+        }
         self._catalog_cache: TTLCache[str, tuple[dict[str, float], tuple[str | None, float]]] = TTLCache(0.05)  # worker → (load timestamp, blocks, requests) placed since  # (read at, names): changes only on registration
 
     # ------------------------------------------------------------------ Place
     async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
+        return await _unless_failed(context, self._timed_place(request))
+
+    async def _timed_place(self, request: pb.PlaceRequest) -> pb.PlaceResponse:
         t0 = time.perf_counter()
-        try:
-            resp = await self._place(request)
-        except ServingError as e:
-            await _abort(context, e)
-            raise
-        except RedisError as e:
-            await _abort(context, Unavailable(f"the scheduler's state store is unavailable: {e}"))
-            raise
+        resp = await self._place(request)
         resp.decision_ms = (time.perf_counter() - t0) * 1e3
         return resp
 
@@ -352,25 +354,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     # ------------------------------------------------------------------ request end, cancel, leases
     async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext) -> pb.FinishResponse:
-        async def finish() -> pb.FinishResponse:
-            tenant = await self.tenants.get_tenant(request.tenant)
-            if tenant is not None:
-                await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
-            return pb.FinishResponse()
+        return await _unless_failed(context, self._finish(request))
 
-        return await _unless_redis_down(context, finish())
+    async def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
+        tenant = await self.tenants.get_tenant(request.tenant)
+        if tenant is not None:
+            await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
+        return pb.FinishResponse()
 
     async def Cancel(self, request: pb.SchedulerCancelRequest, context: grpc.aio.ServicerContext
                      ) -> pb.SchedulerCancelResponse:
-        first = await _unless_redis_down(context, self.bus.cancel(request.request_id, request.reason or "client"))
-        return pb.SchedulerCancelResponse(first=first)
+        return await _unless_failed(context, self._cancel(request))
+
+    async def _cancel(self, request: pb.SchedulerCancelRequest) -> pb.SchedulerCancelResponse:
+        return pb.SchedulerCancelResponse(first=await self.bus.cancel(request.request_id, request.reason or "client"))
 
     async def ReportLease(self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ReportLeaseResponse:
-        return await _unless_redis_down(context, self._report_lease(request, context))
+        return await _unless_failed(context, self._report_lease(request))
 
-    async def _report_lease(self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
-                            ) -> pb.ReportLeaseResponse:
+    async def _report_lease(self, request: pb.ReportLeaseRequest) -> pb.ReportLeaseResponse:
         if request.event == pb.LEASE_EVENT_PINNED:
             ttl = request.ttl_s or self.config.lease_ttl_s
             lease = await self.leases.create(request.lease_id, request.request_id, request.prefill_worker,
@@ -380,8 +383,76 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             return pb.ReportLeaseResponse(applied=await self.leases.release(request.lease_id))
         if request.event == pb.LEASE_EVENT_ABORTED:
             return pb.ReportLeaseResponse(applied=await self.leases.abort(request.lease_id))
-        await _abort(context, InvalidRequest("a lease report needs an event"))
-        raise AssertionError("unreachable")
+        raise InvalidRequest("a lease report needs an event")
+
+    # ------------------------------------------------------------------ the gateway's call stream
+    async def Calls(self, batches: AsyncIterator[pb.SchedulerCalls], context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[pb.SchedulerReplies]:
+        """A gateway's per-request calls on one stream: each runs as its own task (a Place may wait in
+        the fair queue) and is answered when done, in any order; the replies ready when one is sent go
+        out together. The stream ends once the client has half-closed it and every call is answered; if
+        it breaks, every unanswered call is cancelled (a waiting Place leaves the queue)."""
+        replies: asyncio.Queue[pb.SchedulerReply | None] = asyncio.Queue()
+        running: dict[int, asyncio.Task[None]] = {}
+
+        async def answer(call_id: int, kind: str, work: Awaitable[Message]) -> None:
+            try:
+                reply = pb.SchedulerReply(call_id=call_id, **{kind: await work})
+            except ServingError as e:
+                reply = pb.SchedulerReply(call_id=call_id, error=_request_error(e))
+            except RedisError as e:
+                reply = pb.SchedulerReply(call_id=call_id, error=_request_error(_store_down(e)))
+            except Exception:  # a bug must not end the other calls of this gateway
+                log.exception("scheduler call %s (%s) failed", call_id, kind)
+                reply = pb.SchedulerReply(call_id=call_id, error=common_pb2.RequestError(
+                    code=grpc.StatusCode.INTERNAL.value[0], message=f"the scheduler failed on {kind}"))
+            finally:
+                running.pop(call_id, None)
+            replies.put_nowait(reply)
+
+        def start(call: pb.SchedulerCall) -> None:
+            kind = call.WhichOneof("call")
+            if kind == "abandon":
+                task = running.get(call.call_id)
+                if task is not None:
+                    task.cancel()
+            elif kind is None or call.call_id in running:
+                why = "names no call" if kind is None else "reuses the id of a call still running"
+                replies.put_nowait(pb.SchedulerReply(call_id=call.call_id, error=common_pb2.RequestError(
+                    code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=f"call {call.call_id} {why}")))
+            else:
+                work = self._stream_handlers[kind](getattr(call, kind))
+                running[call.call_id] = asyncio.create_task(answer(call.call_id, kind, work))
+
+        async def read() -> None:
+            try:
+                async for batch in batches:
+                    for call in batch.calls:
+                        start(call)
+                if running:  # half-closed: answer what is running, then end the stream
+                    await asyncio.wait(list(running.values()))
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (first := await replies.get()) is not None:
+                out = pb.SchedulerReplies(replies=[first])
+                ended = False
+                while not replies.empty():
+                    more = replies.get_nowait()
+                    if more is None:
+                        ended = True
+                        break
+                    out.replies.append(more)
+                yield out
+                if ended:
+                    break
+            await reader  # re-raises a failed read (a malformed message) as the stream's error
+        finally:
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()  # the gateway is gone: a waiting Place leaves the queue, its quota returned
 
     # ------------------------------------------------------------------ workers
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
@@ -487,13 +558,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             log.info("reaper: could not reach %s to free %s: %s", address, request_id, e.details())
 
 
-async def _unless_redis_down(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
-    """Redis errors are UNAVAILABLE for the caller (who may retry), not an unknown failure."""
+async def _unless_failed(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+    """A unary call's result, or its error as the call's status: Redis errors are UNAVAILABLE for the
+    caller (who may retry), not an unknown failure."""
     try:
         return await call
-    except RedisError as e:
-        await _abort(context, Unavailable(f"the scheduler's state store is unavailable: {e}"))
+    except ServingError as e:
+        await _abort(context, e)
         raise
+    except RedisError as e:
+        await _abort(context, _store_down(e))
+        raise
+
+
+def _store_down(e: RedisError) -> Unavailable:
+    return Unavailable(f"the scheduler's state store is unavailable: {e}")
+
+
+def _request_error(error: ServingError) -> common_pb2.RequestError:
+    """An error as one call's reply on the `Calls` stream: the status code a unary call would end with."""
+    reply = common_pb2.RequestError(code=grpc.StatusCode[error.grpc_code].value[0], message=error.message)
+    if isinstance(error, CapacityExceeded):
+        reply.retry_after_s = error.retry_after_s
+    return reply
 
 
 def _load(msg: pb.WorkerLoad) -> WorkerLoad:

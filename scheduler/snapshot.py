@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Generic, TypeVar
 
-from scheduler.registry import WorkerLoad, WorkerRegistry, WorkerView
+from scheduler.registry import KnownWorker, WorkerLoad, WorkerRegistry, WorkerView
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -67,7 +67,7 @@ class RegistrySnapshot:
         self.max_age_s = max_age_s
         self.max_stale_s = max_stale_s
         self._data: dict[str, tuple[float, list[tuple[WorkerView, frozenset[str]]]]] = {}
-        self._sets: dict[str, dict[str, tuple[str, frozenset[str]]]] = {}  # model → id → (generation, set)
+        self._known: dict[str, dict[str, KnownWorker]] = {}  # model → id → what the last refresh read
         self._pending: dict[str, asyncio.Task[list[tuple[WorkerView, frozenset[str]]]]] = {}
 
     async def workers(self, model: str) -> list[tuple[WorkerView, frozenset[str]]]:
@@ -104,9 +104,22 @@ class RegistrySnapshot:
         else:
             self._data.pop(model, None)
 
+    def _known_now(self, model: str) -> dict[str, KnownWorker] | None:
+        """What the last refresh read, with the loads this replica applied since (`update_load`): a
+        worker whose newest load in Redis is the one held here is not sent or parsed again."""
+        known = self._known.get(model)
+        cached = self._data.get(model)
+        if known is None or cached is None:
+            return known
+        for view, _ in cached[1]:
+            held = known.get(view.worker_id)
+            if held is not None and held.view is not view:
+                known[view.worker_id] = held._replace(view=view)
+        return known
+
     async def _refresh(self, model: str) -> list[tuple[WorkerView, frozenset[str]]]:
-        rows = await self.registry.snapshot_with_prefixes(model, self._sets.get(model))
-        self._sets[model] = {view.worker_id: (gen, held) for view, gen, held in rows}
+        rows = await self.registry.snapshot_with_prefixes(model, self._known_now(model))
+        self._known[model] = {view.worker_id: KnownWorker(view, gen, held) for view, gen, held in rows}
         result = [(view, held) for view, _, held in rows]
         self._data[model] = (time.monotonic(), result)
         return result

@@ -12,9 +12,10 @@ setup without a scheduler. (The scheduler's own `Placer` picks workers by load a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -157,9 +158,20 @@ def _next_allowed(cycle: itertools.cycle[str], n: int, exclude: Sequence[str]) -
 
 
 def scheduler_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
-    """A failed scheduler call as the error the client sees: the scheduler's own status (401, 404,
-    429 with its retry-after, 400) or, for anything else, UNAVAILABLE saying the scheduler failed."""
-    code, details = e.code(), e.details() or e.code().name
+    """A failed unary scheduler call as the error the client sees (see `status_error`)."""
+    retry_after: float | None = None
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                retry_after = float(value)
+            except ValueError:
+                log.warning("scheduler %s sent a malformed retry-after %r", address, value)
+    return status_error(e.code(), e.details() or e.code().name, retry_after, address)
+
+
+def status_error(code: grpc.StatusCode, details: str, retry_after_s: float | None, address: str) -> ServingError:
+    """A scheduler status as the error the client sees: the scheduler's own (401, 404, 429 with its
+    retry-after, 400) or, for anything else, UNAVAILABLE saying the scheduler failed."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(details)
     if code == grpc.StatusCode.NOT_FOUND:
@@ -167,14 +179,7 @@ def scheduler_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry_after = 1.0
-        for key, value in e.trailing_metadata() or ():
-            if key == RETRY_AFTER_KEY:
-                try:
-                    retry_after = float(value)
-                except ValueError:
-                    log.warning("scheduler %s sent a malformed retry-after %r", address, value)
-        return CapacityExceeded(details, retry_after_s=retry_after)
+        return CapacityExceeded(details, retry_after_s=1.0 if retry_after_s is None else retry_after_s)
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"cannot place the request now: {details} (scheduler {address})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -182,14 +187,109 @@ def scheduler_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
     return Unavailable(f"the scheduler {address} failed: {code.name}: {details}")
 
 
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+
+
+class CallStream:
+    """The gateway's one `Scheduler.Calls` stream: many requests' calls multiplexed by call id, each
+    answered whenever the scheduler is done with it. Opened on first use and again after it breaks;
+    a break fails the calls it carried (UNAVAILABLE), as a broken channel fails unary calls."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, address: str) -> None:
+        self._stub = stub
+        self.address = address
+        self._ids = itertools.count(1)
+        self._outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None] | None = None
+        self._pending: dict[int, asyncio.Future[scheduler_pb2.SchedulerReply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def call(self, timeout_s: float, undo: Callable[[Any], object] | None = None, **call: Any) -> Any:
+        """Sends one call (``place=...``, ``finish=...``, ...) and returns its reply message; a failure
+        is raised as the error the client sees. Cancelled or timed out, the call is abandoned on the
+        scheduler (a waiting Place leaves the queue, its quota returned); if its reply had arrived
+        already, ``undo`` gets the reply instead, to give back what the call took."""
+        outbox = self._open()
+        call_id = next(self._ids)
+        reply = self._pending[call_id] = asyncio.get_running_loop().create_future()
+        outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, **call))
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(reply), timeout_s)
+        except (asyncio.CancelledError, TimeoutError) as e:
+            self._pending.pop(call_id, None)
+            if not reply.done():
+                outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, abandon=True))
+            elif undo is not None and reply.exception() is None and reply.result().WhichOneof("reply") != "error":
+                undo(getattr(reply.result(), reply.result().WhichOneof("reply")))
+            if isinstance(e, TimeoutError):
+                raise Unavailable(f"the scheduler {self.address} did not answer in time") from None
+            raise
+        kind = answer.WhichOneof("reply")
+        if kind == "error":
+            err = answer.error
+            raise status_error(_STATUS_BY_NUMBER.get(err.code, grpc.StatusCode.UNKNOWN), err.message,
+                               err.retry_after_s if err.HasField("retry_after_s") else None, self.address)
+        return getattr(answer, kind)
+
+    def _open(self) -> asyncio.Queue[scheduler_pb2.SchedulerCall | None]:
+        if self._outbox is not None:
+            return self._outbox
+        outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None] = asyncio.Queue()
+
+        async def calls() -> AsyncIterator[scheduler_pb2.SchedulerCalls]:
+            # Whatever calls are ready when a message goes out travel together.
+            while (first := await outbox.get()) is not None:
+                batch = scheduler_pb2.SchedulerCalls(calls=[first])
+                while not outbox.empty():
+                    more = outbox.get_nowait()
+                    if more is None:
+                        yield batch
+                        return
+                    batch.calls.append(more)
+                yield batch
+
+        self._outbox = outbox
+        self._reader = asyncio.get_running_loop().create_task(self._read(self._stub.Calls(calls()), outbox))
+        return outbox
+
+    async def _read(self, stream: grpc.aio.StreamStreamCall,
+                    outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None]) -> None:
+        error: ServingError = Unavailable(f"the scheduler {self.address} closed the call stream")
+        try:
+            async for batch in stream:
+                for reply in batch.replies:
+                    waiter = self._pending.pop(reply.call_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(reply)
+        except grpc.aio.AioRpcError as e:
+            error = scheduler_error(e, self.address)
+        finally:
+            if self._outbox is outbox:  # the next call opens a new stream
+                self._outbox = None
+            outbox.put_nowait(None)
+            stream.cancel()
+            pending, self._pending = self._pending, {}
+            for waiter in pending.values():
+                if not waiter.done():
+                    waiter.set_exception(error)
+
+    async def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(None)  # half-close: the scheduler answers what it has, then ends
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self._reader, REPORT_TIMEOUT_S)
+
+
 class SchedulerRouter:
-    """The gateway's client of the cluster scheduler: one channel, shared by every request."""
+    """The gateway's client of the cluster scheduler: one channel, shared by every request, and one
+    `Calls` stream on it for the per-request calls (Place, Finish, ReportLease, Cancel)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address = address
         self.timeout_s = timeout_s  # longest Place may take (it may wait in the scheduler's fair queue)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._calls = CallStream(self._stub, address)
         self._background: set[asyncio.Task[bool]] = set()
 
     async def route(self, query: RouteQuery) -> Route:
@@ -199,16 +299,14 @@ class SchedulerRouter:
             exclude_workers=query.exclude, resume=query.resume,
         )
         timeout = self.timeout_s if query.timeout_s is None else min(self.timeout_s, query.timeout_s)
-        call = self._stub.Place(request, timeout=timeout)
-        try:
-            resp: scheduler_pb2.PlaceResponse = await call
-        except grpc.aio.AioRpcError as e:
-            raise scheduler_error(e, self.address) from None
-        except asyncio.CancelledError:
-            call.cancel()  # the scheduler gives the quota back when Place is cancelled; if it had
-            if call.done() and not call.cancelled() and not query.resume:  # already answered, we do
-                self._report(self._finish_cancelled(call, query.request_id))
-            raise
+
+        def undo(placed: scheduler_pb2.PlaceResponse) -> None:
+            # Given up just after the scheduler placed it: nothing was served, give the quota back
+            # (a migration's quota was charged at its first placement and ends with the request).
+            if not query.resume:
+                self._report(self._finish(query.request_id, placed.tenant, 0, 0))
+
+        resp: scheduler_pb2.PlaceResponse = await self._calls.call(timeout, undo=undo, place=request)
         return Route(
             decode=resp.decode_worker, prefill=resp.prefill_worker if resp.HasField("prefill_worker") else None,
             cache_salt=resp.cache_salt, tenant=resp.tenant, version=resp.version, lease_ttl_s=resp.lease_ttl_s,
@@ -216,20 +314,13 @@ class SchedulerRouter:
             shadow_version=resp.shadow_version,
         )
 
-    async def _finish_cancelled(self, call: grpc.aio.UnaryUnaryCall, request_id: str) -> bool:
-        try:
-            resp = await call
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            return False
-        return await self._finish(request_id, resp.tenant, 0, 0)
-
     def finish(self, request_id: str, route: Route, prompt_tokens: int, completion_tokens: int) -> None:
         self._report(self._finish(request_id, route.tenant, prompt_tokens, completion_tokens))
 
     async def _finish(self, request_id: str, tenant: str, prompt_tokens: int, completion_tokens: int) -> bool:
         request = scheduler_pb2.FinishRequest(request_id=request_id, tenant=tenant, prompt_tokens=prompt_tokens,
                                               completion_tokens=completion_tokens)
-        return await self._call("Finish", request_id, self._stub.Finish(request, timeout=REPORT_TIMEOUT_S))
+        return await self._call("Finish", request_id, finish=request)
 
     def report_lease(self, event: LeaseEvent, lease: LeaseReport) -> None:
         request = scheduler_pb2.ReportLeaseRequest(
@@ -237,20 +328,19 @@ class SchedulerRouter:
             prefill_worker=lease.prefill_worker, decode_worker=lease.decode_worker, num_blocks=lease.num_blocks,
             ttl_s=lease.ttl_s,
         )
-        self._report(self._call(f"ReportLease({event})", lease.request_id,
-                                self._stub.ReportLease(request, timeout=REPORT_TIMEOUT_S)))
+        self._report(self._call(f"ReportLease({event})", lease.request_id, report_lease=request))
 
     def cancel(self, request_id: str, reason: str) -> asyncio.Task[bool] | None:
         """Publishes the cancel on the cluster's cancellation bus: the worker drops the request even
         when this gateway's own cancellation of its call is lost."""
         request = scheduler_pb2.SchedulerCancelRequest(request_id=request_id, reason=reason)
-        return self._report(self._call("Cancel", request_id, self._stub.Cancel(request, timeout=REPORT_TIMEOUT_S)))
+        return self._report(self._call("Cancel", request_id, cancel=request))
 
-    async def _call(self, name: str, request_id: str, call: grpc.aio.UnaryUnaryCall) -> bool:
+    async def _call(self, name: str, request_id: str, **call: Any) -> bool:
         try:
-            await call
-        except grpc.aio.AioRpcError as e:
-            log.info("request %s: scheduler %s failed: %s %s", request_id, name, e.code().name, e.details())
+            await self._calls.call(REPORT_TIMEOUT_S, **call)
+        except ServingError as e:
+            log.info("request %s: scheduler %s failed: %s %s", request_id, name, e.grpc_code, e.message)
             return False
         return True
 
@@ -272,4 +362,5 @@ class SchedulerRouter:
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=REPORT_TIMEOUT_S)
+        await self._calls.close()
         await self._channel.close()

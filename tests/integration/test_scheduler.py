@@ -8,6 +8,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +287,80 @@ def test_rollout_weights_route_sticky_shares_and_rollback_is_immediate(
         assert all([await place(f"r{i}") == old for i in range(40)]), "rollback applies to the next request"
 
     run(redis_server, tiny_llama, body)
+
+
+def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_gives_up(
+        redis_server: Any, tiny_llama: Path) -> None:
+    """The gateway's `SchedulerRouter` multiplexes every request's calls on one `Calls` stream: each call
+    gets its own answer or error (the status a unary call would end with), and a Place the gateway
+    gives up — cancelled, or its whole stream gone with the gateway — leaves the fair queue with its
+    quota returned."""
+    from core.errors import CapacityExceeded, InvalidRequest, Unauthenticated, Unavailable
+    from scheduler.tenants import TenantConfig
+    from services.placement import RouteQuery, SchedulerRouter
+
+    def query(rid: str, key: str = "key-solo", prompt: list[int] | None = None) -> RouteQuery:
+        return RouteQuery(request_id=rid, api_key=key, model="", prompt_token_ids=[5] * 40 if prompt is None else prompt,
+                          max_tokens=4)
+
+    async def body(c: Cluster) -> None:
+        await c.start_scheduler(heartbeat_timeout_s=2.0)
+        assert c.scheduler is not None
+        servicer = c.scheduler.servicer
+        solo = TenantConfig("solo", max_concurrent=1)
+        await servicer.tenants.add_tenant(solo)
+        await servicer.tenants.add_api_key("key-solo", "solo")
+        d_addr, _ = await c.start_worker("decode")
+        router = SchedulerRouter(c.scheduler.address)
+        try:
+            # Four calls in flight at once on the one stream: one placed, three refused, each for its reason.
+            results = await asyncio.gather(router.route(query("s1")), router.route(query("s2")),
+                                           router.route(query("s3", key="wrong")), router.route(query("s4", prompt=[])),
+                                           return_exceptions=True)
+            placed = [r for r in results if not isinstance(r, BaseException)]
+            assert len(placed) == 1 and placed[0].decode == d_addr and placed[0].tenant == "solo"
+            errors = sorted(type(r).__name__ for r in results if isinstance(r, BaseException))
+            assert errors == sorted(["CapacityExceeded", "Unauthenticated", "InvalidRequest"]), results
+            busy = next(r for r in results if isinstance(r, CapacityExceeded))
+            assert busy.retry_after_s > 0 and "concurren" in busy.message
+            assert any(isinstance(r, Unauthenticated) for r in results)
+            assert any(isinstance(r, InvalidRequest) for r in results)
+            winner = "s1" if results[0] is placed[0] else "s2"
+            router.finish(winner, placed[0], 40, 4)
+
+            async def quota_free() -> bool:
+                return (await servicer.quota.usage(solo)).concurrent == 0
+
+            await eventually(quota_free)
+
+            # No decode room (the worker's queue limit is 0 now): a Place waits in the fair queue. Cancelled
+            # by the gateway, it leaves the queue and its quota comes back.
+            servicer.placer.policy = replace(servicer.placer.policy, max_decode_queue=0)
+            waiting = asyncio.create_task(router.route(query("w1")))
+
+            async def queued() -> bool:
+                return await servicer.queue.depth("solo") == 1 and (await servicer.quota.usage(solo)).concurrent == 1
+
+            await eventually(queued)
+            waiting.cancel()
+            took = await eventually(lambda: _both(servicer.queue.depth("solo"), quota_free()))
+            print(f"an abandoned Place left the fair queue, quota returned, {took * 1e3:.0f} ms after the cancel")
+
+            # A gateway that goes away: its stream breaks and every Place it was waiting on is undone.
+            other = SchedulerRouter(c.scheduler.address)
+            lost = asyncio.create_task(other.route(query("w2")))
+            await eventually(queued)
+            await other._channel.close()  # the gateway process dies: its connection closes
+            with pytest.raises(Unavailable):
+                await lost
+            await eventually(lambda: _both(servicer.queue.depth("solo"), quota_free()))
+        finally:
+            await router.close()
+
+    run(redis_server, tiny_llama, body)
+
+
+async def _both(depth: Awaitable[int], free: Awaitable[bool]) -> bool:
+    """The fair queue is empty and the quota free (both read every time)."""
+    empty, quota_free = await depth == 0, await free
+    return empty and quota_free

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from redis_runner import run
 
 from core.errors import InvalidRequest
-from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+from scheduler.registry import KnownWorker, WorkerLoad, WorkerRecord, WorkerRegistry
 from scheduler.snapshot import leading_hits
 
 pytestmark = pytest.mark.unit
@@ -210,10 +210,14 @@ def test_snapshot_reads_live_undrained_workers_and_resends_only_changed_sets(url
         assert got == {"d:1": ("v1", frozenset({"a", "b", "z"})), "d:2": ("v2", frozenset({"a2"}))}
         assert leading_hits(got["d:1"][1], ["a", "b", "c"]) == 2  # leading run only
         # A caller that holds a set of the same generation gets it back without it being sent again.
-        known = {view.worker_id: (gen, held) for view, gen, held in rows}
-        assert await reg.heartbeat("d:2", load(), ["a2", "b2"])  # d:2 publishes a new set
-        again = {view.worker_id: held for view, _, held in await reg.snapshot_with_prefixes("llama", known)}
-        assert again["d:1"] is known["d:1"][1]
-        assert again["d:2"] == frozenset({"a2", "b2"})
+        # A caller that holds a set of the same generation gets it back without it being sent again, and
+        # a record whose load (timestamp) it holds is not sent or parsed again either.
+        known = {view.worker_id: KnownWorker(view, gen, held) for view, gen, held in rows}
+        newer = WorkerLoad(free_blocks=90, running=2, waiting=0, transfers=0, leases=0, timestamp=124.0)
+        assert await reg.heartbeat("d:2", newer, ["a2", "b2"])  # d:2 publishes a new set and load
+        again = {view.worker_id: (view, held) for view, _, held in await reg.snapshot_with_prefixes("llama", known)}
+        assert again["d:1"][1] is known["d:1"].held and again["d:1"][0] is known["d:1"].view
+        assert again["d:2"][1] == frozenset({"a2", "b2"})
+        assert again["d:2"][0].load == newer
 
     run(url, body)
