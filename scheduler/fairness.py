@@ -4,11 +4,14 @@ When admission must wait (no free decode blocks), requests wait here and leave i
 order (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24): each tenant has a counter
 of the tokens it was served divided by its weight; the next request comes from the waiting tenant with
 the smallest counter, FIFO within a tenant. A tenant that starts waiting while others wait is put
-between the smallest of their counters minus ``burst_credit_tokens`` and a thousandth of a token below
-it: it banks at most that much credit while idle (0 = plain VTC's lift), and no debt — service it had
-while nobody else waited (the scheduler charges admissions that did not wait too) never keeps its next
-request behind tenants that are backlogged. A light tenant's short burst thus goes before a backlogged
-tenant's requests instead of alternating with them. With none waiting a joining tenant is lifted to the
+between the smallest of their counters minus ``burst_credit_tokens`` and a thousandth of a token above
+it: it banks at most that much credit while idle (0 = plain VTC's lift), and at most one request of
+debt — service it had while nobody else waited (the scheduler charges admissions that did not wait too)
+puts its next request right after the request that is next, never behind everything that waits. It
+never goes before a waiting tenant whose counter is lower than its own, though: a heavy tenant that
+comes and goes (each of its requests placed or refused before the next arrives) must not overtake a
+light tenant's request on every return. A light tenant's short burst goes before a backlogged tenant's
+requests instead of alternating with them. With none waiting a joining tenant is lifted to the
 counter of the last tenant that left. Fairness is therefore token-weighted, not per request: while two
 tenants both wait, their counters differ by at most one request's cost / weight plus the burst credit.
 
@@ -36,7 +39,7 @@ import redis.asyncio as aioredis
 from core.errors import CapacityExceeded
 from scheduler.tenants import TenantConfig
 
-TIE = 1e-3  # tokens: how far below a waiting tenant's counter a newcomer is lifted (ties go to it)
+TIE = 1e-3  # tokens: how far above the next waiter's counter a joining tenant with more service is put
 
 # ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
 _LIB = f"local TIE = {TIE!r}\n" + """
@@ -105,12 +108,19 @@ if not redis.call('ZSCORE', base .. 'active', tenant) then
   local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
   local lift = top[2] or redis.call('GET', base .. 'floor') or '0'
   if top[2] then
-    -- Joining tenants that wait: kept within [their smallest counter - burst credit, that - TIE].
-    -- Lifted if lower (at most a burst's credit from idle time), lowered if higher (no debt from service
-    -- it had while nobody else waited): its first request goes next, and a short burst of a light
-    -- tenant goes before the backlogged ones instead of alternating with them.
-    local low, high = tonumber(top[2]) - math.max(TIE, tonumber(ARGV[10])), tonumber(top[2]) - TIE
-    counter = num(math.max(low, math.min(high, tonumber(counter))))
+    -- Joining tenants that wait: kept within [their smallest counter - burst credit, that + TIE], and
+    -- never level with it.
+    -- Lifted if lower (at most a burst's credit from idle time), lowered if higher (at most one request
+    -- of debt from service it had while nobody else waited: it goes right after the next request, not
+    -- before it — else a heavy tenant that keeps leaving and rejoining overtakes a light one's waiting
+    -- request each time). A short burst of a light tenant goes before the backlogged ones.
+    local next_counter = tonumber(top[2])
+    local own = tonumber(counter)
+    if own >= next_counter then
+      counter = num(next_counter + TIE)  -- a tie goes to the one already waiting
+    else
+      counter = num(math.max(next_counter - math.max(TIE, tonumber(ARGV[10])), own))
+    end
     redis.call('HSET', base .. 'vtc', tenant, counter)
   elseif tonumber(lift) > tonumber(counter) then
     counter = lift

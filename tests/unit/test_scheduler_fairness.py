@@ -72,10 +72,24 @@ def test_service_while_nobody_waited_is_no_debt_later(url: str) -> None:
         await q.charge(A, 5000)  # a was admitted a lot while nobody waited
         await q.enqueue(B, "b0", 50, 60)
         await q.enqueue(B, "b1", 50, 60)
-        await q.enqueue(A, "a0", 80, 60)  # starts just below b, not 5000 behind it
+        await q.enqueue(A, "a0", 80, 60)  # starts just after b's next request, not 5000 behind it
         await q.enqueue(A, "a1", 80, 60)
-        assert await q.counter("a") == pytest.approx(await q.counter("b") - TIE)
-        assert [x.request_id for x in [await q.pop_next() for _ in range(4)] if x] == ["a0", "b0", "b1", "a1"]
+        assert await q.counter("a") == pytest.approx(await q.counter("b") + TIE)
+        assert [x.request_id for x in [await q.pop_next() for _ in range(4)] if x] == ["b0", "a0", "b1", "a1"]
+
+
+def test_a_heavy_tenant_that_comes_and_goes_never_overtakes_a_waiting_light_one(url: str) -> None:
+    """The flood pattern: the heavy tenant's requests each leave the queue (placed) before its next one
+    arrives, so it keeps re-joining while a light tenant's request waits. Each time it joins it must
+    line up after that request, not before it."""
+    async def body(r: aioredis.Redis) -> None:
+        q = FairQueue(r, clock=Clock(), burst_credit_tokens=512)
+        await q.charge(B, 50_000)  # b, the flood, has had far more service than a
+        for i in range(3):
+            await q.enqueue(A, f"a{i}", 96, 60)  # a light tenant's request waits alone
+            await q.enqueue(B, f"b{i}", 96, 60)  # the flood joins while it waits
+            assert await q.counter("b") > await q.counter("a")
+            assert [(await q.pop_next()).request_id for _ in range(2)] == [f"a{i}", f"b{i}"]  # both placed
 
     run(url, body)
 
@@ -151,13 +165,13 @@ def test_fifo_within_a_tenant_and_charge_corrections(url: str) -> None:
         for i in range(3):
             await q.enqueue(A, f"a{i}", 10, 60)
             await q.enqueue(B, f"b{i}", 10, 60)
-        # b joined while a waited: it starts a hair below a, so the tie is b's.
-        assert [x.request_id for x in [await q.pop_next(), await q.pop_next()] if x] == ["b0", "a0"]
+        # b joined while a waited, with as much service as a: it starts a hair above a, so a goes first.
+        assert [x.request_id for x in [await q.pop_next(), await q.pop_next()] if x] == ["a0", "b0"]
         # a's request stopped early: credit back what it did not use; it is served next.
         assert await q.charge(A, -5) == 5.0
         assert (await q.pop_next() or pytest.fail()).request_id == "a1"
         # b's request ran long: charge the extra; a goes again.
-        assert await q.charge(B, 50) == pytest.approx(60.0 - TIE)
+        assert await q.charge(B, 50) == pytest.approx(60.0 + TIE)
         assert (await q.pop_next() or pytest.fail()).request_id == "a2"
         weighted = TenantConfig("a", weight=4.0)
         assert await q.charge(weighted, 8) == 25.0 + 8 / 4  # a0, a1 and a2 cost 30, credit 5
