@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -84,6 +85,7 @@ class AsyncEngine:
     _factory: Callable[[], LLMEngine] | None
     num_slow_reader_aborts: int
     num_steps: int
+    on_abort: Callable[[float], object] | None
 
     def __init__(self, engine: LLMEngine, max_pending_outputs: int = 256) -> None:
         self.engine = engine
@@ -118,6 +120,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.num_slow_reader_aborts = 0
         self.num_steps = 0
+        self.on_abort = None  # hears how long each `abandon` took, asked -> blocks freed (metrics)
 
     def start(self) -> None:
         """Starts the engine thread of an engine built elsewhere (`launch` starts its own)."""
@@ -157,6 +160,22 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.closed = True
+
+    def abandon(self, request_id: str, abort: Callable[[LLMEngine], bool]) -> None:
+        """Event loop: the caller of a request went away. Between two steps, the engine thread closes
+        its stream and runs ``abort`` (which drops the request and frees its blocks; True if it found
+        it). Closing the stream there, not here, means no step can see the stream gone and drop the
+        request on its own first, so ``on_abort`` hears of every abort it caused."""
+        asked = time.monotonic()
+
+        def run(engine: LLMEngine) -> bool:
+            self.close_stream(request_id)
+            found = abort(engine)
+            if found and self.on_abort is not None:
+                self.on_abort(time.monotonic() - asked)
+            return found
+
+        self.post(run)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:

@@ -21,7 +21,7 @@ from core.errors import CapacityExceeded, InvalidRequest, KVTransferFailed, Mode
 from core.kv_cache import KVCacheManager
 from core.request import FinishReason, Request, RequestId, RequestStatus
 from core.sampling_params import SamplingParams
-from core.step_scheduler import SchedulerConfig, StepScheduler
+from core.step_scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.loader import load_model, resolve_model_dir
@@ -56,7 +56,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: ServingError | None = None  # set when the request ended because of an error
-    transfer_s: float = 0.0  # on the final output: how long its KV pull took (disaggregated only)
+    # On the request's first output after the event (0.0 on every other output), for metrics:
+    queue_s: float = 0.0  # added -> first scheduled (requests that entered the waiting queue)
+    transfer_s: float = 0.0  # its KV pull: started -> landed (disaggregated only)
 
     @property
     def finished(self) -> bool:
@@ -138,6 +140,11 @@ class LLMEngine:
         # late write can never land in a block that another request already owns.
         self._draining: list[tuple[str, PendingPull]] = []  # (private lease, pull)
         self._transfer_seconds: dict[RequestId, float] = {}  # landed pulls: start → landed
+        # Metrics, read by the worker when scraped (plain counters: nothing per step but additions).
+        self._queued_at: dict[RequestId, float] = {}  # requests not yet scheduled once → added at
+        self._queue_seconds: dict[RequestId, float] = {}  # scheduled, first output not yet made
+        self.num_scheduled_tokens = 0  # tokens run through the model (prompt chunks and decodes)
+        self.num_sampled_tokens = 0
         self._seed_rng = random.Random(config.seed)
         log.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
@@ -182,6 +189,7 @@ class LLMEngine:
         if resumed:
             self._continue_after(request, resumed)
         self.scheduler.add_request(request)
+        self._queued_at[request.request_id] = time.monotonic()
         return request
 
     def add_transferred_request(
@@ -313,6 +321,7 @@ class LLMEngine:
             return True
         request = self.scheduler.abort(RequestId(request_id))
         state = self._states.pop(RequestId(request_id), None)
+        self._queued_at.pop(RequestId(request_id), None)
         if request is None or state is None:
             return False
         self._aborted.append(self._make_output(request, state, "", []))
@@ -357,12 +366,23 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        if self._queued_at:
+            self._note_first_scheduled(sched.scheduled)
         result = self.runner.execute(sched)
         self.scheduler.update(sched, result.sampled)
+        self.num_scheduled_tokens += sched.num_tokens
+        self.num_sampled_tokens += len(result.sampled)
         for s in sched.scheduled:
             if s.request.request_id in result.sampled:
                 outputs.append(self._postprocess(s.request, result))
         return outputs
+
+    def _note_first_scheduled(self, scheduled: list[ScheduledRequest]) -> None:
+        now = time.monotonic()
+        for s in scheduled:
+            added = self._queued_at.pop(s.request.request_id, None)
+            if added is not None:
+                self._queue_seconds[s.request.request_id] = now - added
 
     def _poll_transfers(self) -> list[RequestOutput]:
         failed: list[RequestOutput] = []
@@ -438,5 +458,6 @@ class LLMEngine:
             stop_reason=request.stop_reason if finished else None,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
-            transfer_s=self._transfer_seconds.pop(request.request_id, 0.0) if finished else 0.0,
+            queue_s=self._queue_seconds.pop(request.request_id, 0.0) if self._queue_seconds else 0.0,
+            transfer_s=self._transfer_seconds.pop(request.request_id, 0.0) if self._transfer_seconds else 0.0,
         )

@@ -1,5 +1,5 @@
 """A scheduler replica's process: `serve_scheduler` (gRPC server with health and reflection, the
-reaper) and the `baton scheduler` command."""
+reaper, ``GET /metrics`` on its own port) and the `baton scheduler` command."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ from typing import Any
 
 import grpc
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
 from baton.v1 import scheduler_pb2_grpc
+from scheduler import metrics
+from scheduler.leases import LeaseState
 from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -22,21 +26,53 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SchedulerServer:
-    """A running replica: its gRPC server, Redis client and background reaper."""
+    """A running replica: its gRPC server, Redis client, background reaper and metrics endpoint."""
 
     server: grpc.aio.Server
     servicer: SchedulerServicer
     client: aioredis.Redis
     reaper: asyncio.Task[None]
     address: str
+    metrics_endpoint: metrics.MetricsEndpoint | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        return self.metrics_endpoint.url if self.metrics_endpoint is not None else ""
 
     async def stop(self, grace_s: float = 2.0) -> None:
         self.reaper.cancel()
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.stop()
         await self.server.stop(grace_s)
         await self.client.aclose()
 
 
-async def serve_scheduler(config: ClusterSchedulerConfig) -> SchedulerServer:
+async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterState:
+    """The cluster state one scrape shows, read from Redis (``redis_up`` False if it cannot be)."""
+    state = metrics.ClusterState(waiting_here=servicer.waiting_here)
+    try:
+        counts = await servicer.leases.counts()
+        totals = await servicer.leases.totals()
+        state.stranded_blocks = await servicer.leases.stranded_blocks()
+        state.queue_depth = await servicer.queue.depth()
+        views = await servicer.registry.all_workers()
+    except RedisError as e:
+        log.warning("metrics: Redis unavailable (%s)", e)
+        return state
+    state.redis_up = True
+    state.leases_active = {s.value: n for s, n in counts.items() if s in (LeaseState.PINNED, LeaseState.PULLING)}
+    state.leases_total = {s.value: n for s, n in totals.items()}
+    for view in views:
+        r = view.record
+        key = (r.model, r.version, r.role, "draining" if view.draining else "serving")
+        state.workers[key] = state.workers.get(key, 0) + 1
+    return state
+
+
+async def serve_scheduler(
+    config: ClusterSchedulerConfig, metrics_port: int | None = 0, metrics_max_tenants: int | None = None
+) -> SchedulerServer:
+    """Starts a replica; ``metrics_port`` None serves no metrics (0: any free port)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_health.v1._async import HealthServicer
     from grpc_reflection.v1alpha import reflection
@@ -58,8 +94,27 @@ async def serve_scheduler(config: ClusterSchedulerConfig) -> SchedulerServer:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.create_task(servicer.reap_forever(), name="lease-reaper")
     address = f"{config.host}:{port}"
-    log.info("scheduler ready on %s (redis %s)", address, config.redis_url)
-    return SchedulerServer(server, servicer, client, reaper, address)
+    scheduler = SchedulerServer(server, servicer, client, reaper, address)
+    if metrics_max_tenants is not None:
+        metrics.TENANTS.limit = metrics_max_tenants
+    if metrics_port is not None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(metrics.Forward(metrics.REGISTRY))
+        state = metrics.ClusterStateCollector()
+        registry.register(state)
+
+        async def refresh() -> None:
+            state.state = await read_cluster_state(servicer)
+
+        scheduler.metrics_endpoint = metrics.MetricsEndpoint(registry, refresh)
+        try:
+            await scheduler.metrics_endpoint.start(config.host, metrics_port)
+        except BaseException:
+            await scheduler.stop(0)
+            raise
+    log.info("scheduler ready on %s (redis %s, metrics %s)", address, config.redis_url,
+             scheduler.metrics_url or "off")
+    return scheduler
 
 
 def add_scheduler_parser(sub: Any) -> None:
@@ -85,6 +140,10 @@ def add_scheduler_parser(sub: Any) -> None:
                    help="fair queue: tokens of credit a tenant may bank while idle (0 = plain VTC)")
     p.add_argument("--local-when-prefill-full", action="store_true",
                    help="every prefill worker's queue full: prefill on the decode worker instead of waiting")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)")
+    p.add_argument("--metrics-max-tenants", type=int, default=metrics.DEFAULT_MAX_TENANTS,
+                   help="tenants with a metrics label of their own; later ones are 'other' (default: %(default)s)")
     p.set_defaults(func=run_scheduler)
 
 
@@ -92,16 +151,19 @@ def run_scheduler(args: argparse.Namespace) -> int:
     names = {f.name for f in fields(ClusterSchedulerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["default_tenant"] = values.get("default_tenant") or None
-    asyncio.run(_serve_until_signal(ClusterSchedulerConfig(**values)))
+    metrics_port = None if args.metrics_port < 0 else args.metrics_port
+    asyncio.run(_serve_until_signal(ClusterSchedulerConfig(**values), metrics_port, args.metrics_max_tenants))
     return 0
 
 
-async def _serve_until_signal(config: ClusterSchedulerConfig) -> None:
+async def _serve_until_signal(config: ClusterSchedulerConfig, metrics_port: int | None, max_tenants: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = await serve_scheduler(config)
+    server = await serve_scheduler(config, metrics_port, max_tenants)
     print(f"baton scheduler serving on {server.address} (redis {config.redis_url})", flush=True)
+    if server.metrics_url:
+        print(f"baton scheduler metrics on {server.metrics_url}", flush=True)
     await stop.wait()
     await server.stop()

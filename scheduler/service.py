@@ -35,6 +35,7 @@ from core.errors import (
     Unavailable,
 )
 from core.kv_cache import hash_block
+from scheduler import metrics
 from scheduler.cancel import CancellationBus
 from scheduler.fairness import FairQueue
 from scheduler.leases import LeaseLedger
@@ -146,14 +147,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         }
         self._catalog_cache: TTLCache[str, tuple[dict[str, float], tuple[str | None, float]]] = TTLCache(0.05)  # worker → (load timestamp, blocks, requests) placed since  # (read at, names): changes only on registration
 
+    @property
+    def waiting_here(self) -> int:
+        """Place calls of this replica waiting in the fair queue now."""
+        return self._waiting_here
+
     # ------------------------------------------------------------------ Place
     async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
         return await _unless_failed(context, self._timed_place(request))
 
     async def _timed_place(self, request: pb.PlaceRequest) -> pb.PlaceResponse:
         t0 = time.perf_counter()
-        resp = await self._place(request)
+        try:
+            resp = await self._place(request)
+        except BaseException as e:
+            metrics.record_place(time.perf_counter() - t0, request.model, error=e)
+            raise
         resp.decision_ms = (time.perf_counter() - t0) * 1e3
+        metrics.record_place(resp.decision_ms / 1e3, request.model, resp.tenant, resp.version,
+                             placed_with_prefill=resp.HasField("prefill_worker"))
         return resp
 
     async def _place(self, request: pb.PlaceRequest) -> pb.PlaceResponse:
@@ -299,6 +311,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                 return placement
         rid = request.request_id
         t0 = time.monotonic()
+        waited = "abandoned"  # how the wait ends, for metrics: placed | timeout | abandoned
         await self._flush_charges()
         await self.queue.enqueue(tenant, rid, num_prompt_tokens + request.max_tokens, self.config.queue_timeout_s)
         deadline = time.monotonic() + self.config.queue_timeout_s
@@ -319,6 +332,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                         self._note_placement(placement, blocks_needed)
                         log.debug("request %s (tenant %s) waited %.0f ms (%s)", rid, tenant.name,
                                   (time.monotonic() - t0) * 1e3, why)
+                        waited = "placed"
                         return placement
                     stalled += 1
                     if stalled >= STALLED_POLLS:
@@ -329,9 +343,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                         if head is not None:
                             await self._client.set(f"{self.config.prefix}fq:ready:{head.request_id}", "1",
                                                    ex=max(1, math.ceil(self.config.queue_timeout_s)))
+            waited = "timeout"
             raise CapacityExceeded(
                 f"no worker capacity for {self.config.queue_timeout_s:g} s (queue wait timed out)", retry_after_s=1.0)
         finally:
+            metrics.record_queue_wait(time.monotonic() - t0, tenant.name, waited)
             self._waiting_here -= 1
             await self.queue.remove(rid)
             await self._client.delete(ready_key)

@@ -10,6 +10,10 @@ the tokens already sent and streams the next ones) — each a bounded number of 
 in its own driver task; cancelling it (client cancel, Cancel RPC, Session cancel, disconnect, deadline,
 slow reader) cancels the worker calls at once, so the workers drop the request at their next step and
 free its blocks, and publishes the cancel on the scheduler's cancellation bus.
+
+Metrics (`services.metrics`): every request is counted when it ends; a completed one's TTFT, end-to-end
+time and segments (its own `Timings`, so they add up to at most its end-to-end time) are observed then,
+the inter-token gaps as its tokens are handed to the client's stream.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client import Histogram
 
 from baton.v1 import common_pb2, worker_pb2
 from core.errors import InvalidRequest, KVTransferFailed, ServingError, Unavailable
 from core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from scheduler.metrics import NONE, BoundedLabel
 from services import metrics
 from services.admission import GenerationRequest, Limits, ModelInfo, RequestValidator, request_id_problem
 from services.convert import FINISH_FROM_PB, sampling_to_pb
@@ -67,6 +73,9 @@ class _Job:
     kv_retries: int = 0
     migrations: int = 0
     shadow: ShadowRun | None = None  # the request mirrored to a shadow version, if the route named one
+    labels: tuple[str, str, str] = ("", NONE, NONE)  # metrics: model, version, tenant (set once placed)
+    itl: Histogram | None = None  # metrics.ITL of this request's labels
+    last_token_at: float = 0.0  # when the last token was handed to the client's stream
     # Aborts sent to workers after a cancel or failure; the request id stays reserved until they land,
     # so a client that reuses it at once cannot have its new request aborted by the old one's cleanup.
     aborts: list[asyncio.Task[bool]] = field(default_factory=list)
@@ -89,6 +98,7 @@ class Dispatcher:
     def __init__(
         self, tokenizer: Tokenizer, model: ModelInfo, limits: Limits, router: Router,
         workers: WorkerClients, executor: Executor, shadows: ShadowTraffic | None = None,
+        tenant_label: BoundedLabel | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
@@ -97,6 +107,8 @@ class Dispatcher:
         self.workers = workers
         self.validator = RequestValidator(tokenizer, model, limits, executor)
         self.shadows = shadows or ShadowTraffic(workers)
+        self.tenant_label = tenant_label or BoundedLabel()  # keeps the tenant label's values bounded
+        self._client_wait = metrics.CLIENT_WAIT.labels(model.name)
         self._in_flight: dict[str, RequestStream] = {}
         self._jobs: dict[str, _Job] = {}
 
@@ -111,9 +123,9 @@ class Dispatcher:
         if problem is None and rid in self._in_flight:
             problem = f"request id {rid!r} is already in flight"
         if problem is not None:
-            metrics.REQUESTS.labels(request.api, "INVALID_ARGUMENT").inc()
+            metrics.REQUESTS.labels(self.model.name, NONE, NONE, request.api, "error", "INVALID_ARGUMENT").inc()
             raise InvalidRequest(problem)
-        stream = RequestStream(rid, self.limits.max_buffered_tokens)
+        stream = RequestStream(rid, self.limits.max_buffered_tokens, self._client_wait.observe)
         self._in_flight[rid] = stream
         metrics.IN_FLIGHT.inc()
         stream.attach(asyncio.get_running_loop().create_task(self._run(stream, request), name=f"request-{rid}"))
@@ -140,7 +152,8 @@ class Dispatcher:
     # --- one request ---------------------------------------------------------------------------
 
     async def _run(self, stream: RequestStream, request: GenerationRequest) -> None:
-        outcome = "ok"
+        outcome = "ok"  # ok | cancelled | the error's gRPC code
+        reason = ""  # why it was cancelled
         job: _Job | None = None
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
         try:
@@ -170,7 +183,33 @@ class Dispatcher:
                     log.info("request %s: left its worker aborts to the background", stream.request_id)
             del self._in_flight[stream.request_id]
             metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels(request.api, outcome).inc()
+            self._count(stream, job, request.api, outcome, reason)
+
+    def _count(self, stream: RequestStream, job: _Job | None, api: str, outcome: str, reason: str) -> None:
+        """The metrics of a request that ended (see `services.metrics`)."""
+        placed = job is not None and job.route is not None
+        model, version, tenant = job.labels if job is not None and placed else (self.model.name, NONE, NONE)
+        if outcome == "ok":
+            code = "OK"
+        elif outcome == "cancelled":
+            code = "DEADLINE_EXCEEDED" if reason == "deadline" else "CANCELLED"
+        else:
+            outcome, code = "error", outcome
+        metrics.REQUESTS.labels(model, version, tenant, api, outcome, code).inc()
+        if job is None or not placed:
+            return
+        finished = stream.finished
+        metrics.PROMPT_TOKENS.labels(model, version, tenant).inc(len(job.prompt_ids))
+        completion = finished.usage.completion_tokens if finished is not None and code == "OK" else len(job.sent_ids)
+        metrics.GENERATION_TOKENS.labels(model, version, tenant).inc(completion)
+        if code != "OK" or finished is None:
+            return
+        t = finished.timings
+        metrics.TTFT.labels(model, version, tenant).observe(t.ttft_ms / 1e3)
+        metrics.E2E.labels(model, version, tenant).observe(t.e2e_ms / 1e3)
+        for segment, ms in ((metrics.QUEUE, t.queue_ms), (metrics.PREFILL, t.prefill_ms),
+                            (metrics.TRANSFER, t.transfer_ms), (metrics.DECODE, t.decode_ms)):
+            segment.labels(model, version).observe(ms / 1e3)
 
     def _cancelled(self, stream: RequestStream, job: _Job | None, reason: str) -> str:
         metrics.CANCELLATIONS.labels(reason).inc()
@@ -223,6 +262,9 @@ class Dispatcher:
             timeout_s=job.remaining_s(),
         )
         route = job.route = await self.router.route(query)
+        if job.itl is None:  # the first placement names the version and tenant
+            job.labels = (self.model.name, route.version or self.model.version, self.tenant_label(route.tenant))
+            job.itl = metrics.ITL.labels(*job.labels[:2])
         log.info("request %s placed: prefill=%s decode=%s prompt_tokens=%d resume_tokens=%d version=%s shadow=%s",
                  job.request_id, route.prefill or "local", route.decode, len(job.prompt_ids), len(job.sent_ids),
                  route.version or "-", route.shadow_worker or "-")
@@ -375,17 +417,18 @@ class Dispatcher:
                                      last.stop_reason))
 
     def _push(self, stream: RequestStream, job: _Job, msg: common_pb2.TokenDelta) -> None:
-        first = stream.first_token_at is None
         job.sent_ids.extend(msg.token_ids)
         stream.push(delta_from_pb(msg))
-        if first and stream.first_token_at is not None:
-            metrics.TTFT.observe(stream.first_token_at - stream.accepted_at)
+        if msg.token_ids:
+            now = time.perf_counter()
+            if job.last_token_at and job.itl is not None:
+                job.itl.observe(now - job.last_token_at)
+            job.last_token_at = now
 
     def _finished(self, stream: RequestStream, job: _Job | None, reason: str, completion_tokens: int,
                   stop_reason: str = "") -> Finished:
         now = time.perf_counter()
         e2e_s = now - stream.accepted_at
-        metrics.E2E.observe(e2e_s)
         ttft = (stream.first_token_at - stream.accepted_at) * 1e3 if stream.first_token_at else 0.0
         if job is None:
             return Finished(reason, Usage(0, completion_tokens), Timings(ttft_ms=ttft, e2e_ms=e2e_s * 1e3))

@@ -28,6 +28,7 @@ from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
 from core.units import parse_bytes
 from engine.tokenizer import Tokenizer
+from scheduler.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
 from services.admission import Limits, ModelInfo, load_tokenizer, vocab_size
 from services.dispatch import Dispatcher
 from services.gateway_servicer import GatewayServicer, add_gateway_servicer
@@ -67,6 +68,7 @@ class GatewayConfig:
     tokenizer_threads: int = 2
     max_shadow_requests: int = 16  # shadow requests in flight at once; more are skipped
     shadow_timeout: float = 120.0  # longest a shadow request may run, seconds
+    metrics_max_tenants: int = DEFAULT_MAX_TENANTS  # tenants with a metrics label of their own; the rest "other"
 
     def __post_init__(self) -> None:
         if self.scheduler and (self.decode_workers or self.prefill_workers):
@@ -76,8 +78,8 @@ class GatewayConfig:
                              "worker (--decode-workers host:port,...)")
         if self.max_migrations < 0 or self.scheduler_timeout <= 0 or self.shadow_timeout <= 0:
             raise ValueError("max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive")
-        if self.max_shadow_requests < 0:
-            raise ValueError("max_shadow_requests must be at least 0 (0: no shadow traffic)")
+        if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0:
+            raise ValueError("max_shadow_requests and metrics_max_tenants must be at least 0")
         for name in ("max_output_tokens", "max_request_bytes", "max_streams_per_connection",
                      "max_session_requests", "max_buffered_tokens", "tokenizer_threads"):
             if getattr(self, name) < 1:
@@ -115,6 +117,7 @@ _INT_FLAGS = {
     "tokenizer_threads": "threads that tokenize and apply chat templates",
     "max_migrations": "times a request's decode may move to another worker after its worker failed",
     "max_shadow_requests": "shadow requests (mirrored to a candidate version) in flight; more are skipped",
+    "metrics_max_tenants": "tenants with a metrics label of their own; later ones are counted as 'other'",
 }
 
 
@@ -337,7 +340,8 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
         limits = Limits(config.max_prompt_tokens, config.max_output_tokens, config.max_buffered_tokens,
                         config.max_migrations)
         shadows = ShadowTraffic(workers, config.max_shadow_requests, config.shadow_timeout)
-        dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor, shadows)
+        dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor, shadows,
+                                BoundedLabel(config.metrics_max_tenants))
         server, health_servicer, grpc_port = _grpc_server(config, dispatcher)
         await server.start()
         try:

@@ -1,6 +1,8 @@
 """`baton up`: the local cluster in one command — a gateway, one prefill and one decode worker (or one
 colocated worker) as separate processes, started the way a user starts them, health-checked, and
-stopped together on Ctrl-C. Torch-free: the launcher only starts and watches processes.
+stopped together on Ctrl-C. Torch-free: the launcher only starts and watches processes. Every process
+serves Prometheus metrics (the gateway on its HTTP port, the others on a port of their own); the banner
+lists them and the log directory gets a ``prometheus.yml`` that scrapes them all.
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
     if args.threads:
         worker_common += ["--threads", str(args.threads)]
     cluster = Cluster()
-    scheduler = ""
+    scheduler = redis_url = ""
+    metrics: dict[str, str] = {}  # process → host:port of its /metrics
     if not args.static:
         from scheduler.redis_server import redis_binary
 
@@ -158,18 +161,22 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
         cluster.children.append(Child(
             "redis", [redis_binary(), "--bind", host, "--port", str(redis_port), "--save", "", "--appendonly", "no"],
             f"{host}:{redis_port}", log_dir / "redis.log", phase=0, probe=redis_ping))
+        metrics["scheduler"] = f"{host}:{free_port(host)}"
         cluster.children.append(Child(
             "scheduler", [*baton, *verbose, "scheduler", "--redis-url", redis_url, "--host", host,
-                          "--port", str(scheduler_port), "--accept-any-key"],
+                          "--port", str(scheduler_port), "--accept-any-key",
+                          "--metrics-port", metrics["scheduler"].rsplit(":", 1)[1]],
             scheduler, log_dir / "scheduler.log", phase=1))
         worker_common += ["--scheduler", scheduler, "--redis-url", redis_url]
     roles = [("worker", "both")] if args.colocated else [("prefill", "prefill"), ("decode", "decode")]
     addresses: dict[str, str] = {}
     for name, role in roles:
-        port = free_port(host)
+        port, metrics_port = free_port(host), free_port(host)
         addresses[role] = f"{host}:{port}"
+        metrics[role] = f"{host}:{metrics_port}"
         cluster.children.append(Child(
-            f"{name} worker", [*baton, *verbose, "worker", "--role", role, "--port", str(port), *worker_common],
+            f"{name} worker", [*baton, *verbose, "worker", "--role", role, "--port", str(port),
+                               "--metrics-port", str(metrics_port), *worker_common],
             addresses[role], log_dir / f"{name}.log"))
     grpc_port = args.grpc_port or free_port(host)
     http_port = args.http_port or free_port(host)
@@ -182,10 +189,22 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
         if "prefill" in addresses:
             gateway += ["--prefill-workers", addresses["prefill"]]
     cluster.children.append(Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log", phase=3))
+    metrics["gateway"] = f"{host}:{http_port}"
     endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}", **addresses}
     if scheduler:
         endpoints["scheduler"] = scheduler
+        endpoints["redis"] = redis_url
+    endpoints.update({f"metrics:{name}": address for name, address in metrics.items()})
     return cluster, endpoints
+
+
+def prometheus_config(endpoints: dict[str, str]) -> str:
+    """A Prometheus scrape configuration for every process of the cluster (one job per process)."""
+    jobs = "".join(
+        f"  - job_name: baton-{key.removeprefix('metrics:')}\n    static_configs:\n"
+        f"      - targets: ['{address}']\n"
+        for key, address in endpoints.items() if key.startswith("metrics:"))
+    return f"global:\n  scrape_interval: 5s\nscrape_configs:\n{jobs}"
 
 
 def prepare_model(model: str | None) -> str:
@@ -202,12 +221,18 @@ def prepare_model(model: str | None) -> str:
 
 def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
     http = endpoints["http"]
+    workers = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k in ("prefill", "decode", "both"))
+    metrics = " ".join(f"{k.removeprefix('metrics:')}=http://{v}/metrics"
+                       for k, v in endpoints.items() if k.startswith("metrics:"))
     return f"""
 Baton is up — model {model_name}
   OpenAI HTTP : {http}/v1   (health {http}/health, metrics {http}/metrics)
   gRPC        : {endpoints['grpc']}   (baton.v1.Gateway; reflection on)
-  workers     : {', '.join(f'{k} {v}' for k, v in endpoints.items() if k not in ('grpc', 'http', 'scheduler'))}
+  workers     : {workers}
   scheduler   : {endpoints.get('scheduler', 'none (static placement)')}
+  redis       : {endpoints.get('redis', 'none')}
+  metrics     : {metrics}
+                (Prometheus: prometheus --config.file={log_dir / 'prometheus.yml'}; Grafana: deploy/grafana/)
   logs        : {log_dir}
 
 Try it:
@@ -224,6 +249,7 @@ def run_up(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster, endpoints = build_cluster(args, log_dir)
+    (log_dir / "prometheus.yml").write_text(prometheus_config(endpoints))
     stopping = False
 
     def on_signal(signum: int, frame: Any) -> None:

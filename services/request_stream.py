@@ -4,13 +4,15 @@ an error — with bounded buffering, so that a client that does not read fails a
 The request's driver (in `services.dispatch`) pushes without ever waiting; the client's frontend
 (gRPC Session/Generate, HTTP) iterates. Deltas that pile up while the client is slow are merged into
 one; past ``max_buffered_tokens`` the request fails with RESOURCE_EXHAUSTED and its driver is
-cancelled, which cancels the worker calls and frees the request's KV blocks.
+cancelled, which cancels the worker calls and frees the request's KV blocks. The stream also measures
+how long ready output waited for the client to ask for it (``client_wait_s``: a slow reader's cost).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from core.errors import CapacityExceeded, ServingError
@@ -72,14 +74,19 @@ class RequestStream:
     """The client-facing end of one request: ``async for event in stream`` yields `Delta` and finally
     one `Finished`; a request that failed raises its `ServingError` after its last delta."""
 
-    def __init__(self, request_id: str, max_buffered_tokens: int) -> None:
+    def __init__(self, request_id: str, max_buffered_tokens: int,
+                 on_delivered: Callable[[float], object] | None = None) -> None:
+        """``on_delivered(client_wait_s)`` is called once the client has taken the last event."""
         self.request_id = request_id
         self.max_buffered_tokens = max_buffered_tokens
         self.accepted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.num_tokens = 0  # tokens pushed so far
         self.cancel_reason: str | None = None
+        self.client_wait_s = 0.0  # output was ready and the client had not asked for it yet
+        self._on_delivered = on_delivered
         self._pending: Delta | None = None
+        self._ready_at = 0.0  # when the oldest undelivered event became ready
         self._end: Finished | ServingError | None = None
         self._end_delivered = False
         self._wake = asyncio.Event()
@@ -93,6 +100,11 @@ class RequestStream:
     def ended(self) -> bool:
         return self._end is not None
 
+    @property
+    def finished(self) -> Finished | None:
+        """The `Finished` the request ended with (None while running, or if it failed)."""
+        return self._end if isinstance(self._end, Finished) else None
+
     # --- the driver's side ---------------------------------------------------------------------
 
     def push(self, delta: Delta) -> bool:
@@ -104,6 +116,7 @@ class RequestStream:
         self.num_tokens += len(delta.token_ids)
         if self._pending is None:
             self._pending = Delta(list(delta.token_ids), delta.text, list(delta.logprobs))
+            self._ready_at = time.perf_counter()
         else:
             self._pending.extend(delta)
         if len(self._pending.token_ids) > self.max_buffered_tokens:
@@ -119,13 +132,16 @@ class RequestStream:
         return True
 
     def finish(self, finished: Finished) -> None:
-        if self._end is None:
-            self._end = finished
-            self._wake.set()
+        self._end_with(finished)
 
     def fail(self, error: ServingError) -> None:
+        self._end_with(error)
+
+    def _end_with(self, end: Finished | ServingError) -> None:
         if self._end is None:
-            self._end = error
+            self._end = end
+            if self._pending is None:
+                self._ready_at = time.perf_counter()
             self._wake.set()
 
     # --- anyone's side -------------------------------------------------------------------------
@@ -145,6 +161,11 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Delta | Finished:
+        if (self._pending is not None or self._end is not None) and not self._end_delivered:
+            # Ready before the client asked: that long, the client kept it waiting.
+            now = time.perf_counter()
+            self.client_wait_s += now - self._ready_at
+            self._ready_at = now  # what is left (the end, after this delta) waits from now
         while True:
             if self._pending is not None:
                 delta, self._pending = self._pending, None
@@ -153,6 +174,8 @@ class RequestStream:
                 if self._end_delivered:
                     raise StopAsyncIteration
                 self._end_delivered = True
+                if self._on_delivered is not None:
+                    self._on_delivered(self.client_wait_s)
                 if isinstance(self._end, ServingError):
                     raise self._end
                 return self._end

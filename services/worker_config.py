@@ -33,6 +33,7 @@ class WorkerConfig:
     max_pending_outputs: int = 256  # unread outputs per request before it is ended as a slow reader
     scheduler: str | None = None  # host:port of a scheduler: register and heartbeat there
     redis_url: str | None = None  # the cluster's Redis: listen on the cancellation bus
+    metrics_port: int | None = 0  # GET /metrics; 0 = any free port, None = no metrics endpoint
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,11 +61,15 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--max-pending-outputs", type=int, default=256)
     p.add_argument("--scheduler", default=None, help="scheduler host:port to register with (default: none)")
     p.add_argument("--redis-url", default=None, help="the cluster's Redis, for the cancellation bus")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)")
     p.set_defaults(func=run_worker)
 
 
 def run_worker(args: argparse.Namespace) -> int:
     names = WorkerConfig.__dataclass_fields__
+    if args.metrics_port < 0:
+        args.metrics_port = None
     config = WorkerConfig(**{k: v for k, v in vars(args).items() if k in names})
     from services.worker import serve_until_signal
 

@@ -247,3 +247,26 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(tiny_llama: Path, 
     assert sent_text + new_text == done.text
     with pytest.raises(InvalidRequest, match="nothing to resume"):
         other.add_request("r2", prompt, params, resume_token_ids=done.token_ids)
+
+
+def test_the_engine_counts_for_metrics_in_plain_ints(tiny_llama: Path) -> None:
+    """Each request's first output says how long it waited to be scheduled; tokens and steps are
+    counted; an aborted waiting request leaves nothing behind (see services.metrics.WorkerStats)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=8 << 20, max_num_seqs=1))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(3, seed=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    engine.add_request("gone", [5, 6, 7], params)
+    assert engine.abort_request("gone")
+    queued: dict[str, list[float]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            queued.setdefault(out.request_id, []).append(out.queue_s)
+    assert queued.pop("gone") == [0.0]  # aborted before it was ever scheduled
+    for rid, waits in queued.items():
+        assert waits[0] > 0 and waits[1:] == [0.0, 0.0], rid  # on the first output only
+    assert queued["r0"][0] < queued["r1"][0] < queued["r2"][0], "one at a time: each waited for the last"
+    assert engine.num_sampled_tokens == 3 * 3
+    assert engine.num_scheduled_tokens == sum(len(p) for p in prompts) + 3 * 2
+    assert not engine._queued_at and not engine._queue_seconds

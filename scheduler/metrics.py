@@ -1,0 +1,221 @@
+"""Prometheus plumbing every Baton process shares, and the scheduler's own metrics (docs/METRICS.md).
+
+Shared (the scheduler is the lowest layer that serves metrics; the workers and the gateway import
+these): `BoundedLabel`, which keeps a label of unbounded values (tenants) to a bounded set, and
+`MetricsEndpoint`, an HTTP ``GET /metrics`` on a port of its own, served by aiohttp on the process's
+event loop, which first awaits a refresh of the values read at scrape time (Redis, an engine thread).
+
+The scheduler's request metrics are module globals in `REGISTRY` (``scheduler.service`` observes them
+through `record_place` and `record_queue_wait`); the cluster state a replica reads from Redis at
+scrape time (leases, the fair queue, the workers) comes from one `ClusterStateCollector` per server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from core.errors import ServingError
+
+log = logging.getLogger(__name__)
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series (as vLLM)
+
+DEFAULT_MAX_TENANTS = 32  # tenants with a label value of their own, per process; the rest are "other"
+NONE = "none"  # a label whose value is not known (a request refused before it had a tenant)
+OTHER = "other"  # the tenants past the bound
+
+DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class BoundedLabel:
+    """Values of a label whose set is unbounded (tenant names): the first ``limit`` distinct values keep
+    their own series, every later one is reported as ``other``, so a flood of new tenants cannot blow up
+    the number of series. Per process, never forgets (a restart resets it)."""
+
+    __slots__ = ("limit", "_seen")
+
+    def __init__(self, limit: int = DEFAULT_MAX_TENANTS) -> None:
+        if limit < 0:
+            raise ValueError("the label bound must be at least 0")
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if not value:
+            return NONE
+        if value in self._seen:
+            return value
+        if len(self._seen) < self.limit:
+            self._seen.add(value)
+            return value
+        return OTHER
+
+
+class MetricsEndpoint:
+    """``GET /metrics`` of one registry on its own port (0: any free port). ``refresh`` is awaited before
+    each scrape, on the event loop: it reads what must be read at scrape time (off the engine thread and
+    the request path; a scrape never blocks a request)."""
+
+    def __init__(self, registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.registry = registry
+        self.refresh = refresh
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> str:
+        """Binds and serves; returns the URL of the metrics page."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.url = f"http://{host}:{int(runner.addresses[0][1])}/metrics"
+        log.info("metrics on %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.refresh is not None:
+            try:
+                await self.refresh()
+            except Exception:  # a scrape shows what it has; the failure is in the log
+                log.exception("metrics refresh failed")
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class Forward(Collector):
+    """Another registry's metrics inside this one: a process-wide registry of module-level metrics
+    plus per-server collectors, rendered together."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return self.registry.collect()
+
+
+# --------------------------------------------------------------------------- the scheduler's metrics
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+TENANTS = BoundedLabel()  # `baton scheduler --metrics-max-tenants` sets its limit
+
+DECISION_SECONDS = Histogram(
+    "baton_scheduler_decision_seconds",
+    "Place: received -> answered, fair-queue wait included, by outcome (prefill_pool, local_prefill, or the "
+    "refusal's gRPC code).",
+    ["outcome"], buckets=DECISION_BUCKETS, registry=REGISTRY,
+)
+DECISIONS = Counter(
+    "baton_scheduler_decisions",
+    "Place calls answered, by model, version, tenant and outcome (prefill_pool, local_prefill, or the "
+    "refusal's gRPC code: RESOURCE_EXHAUSTED for a quota or a queue timeout, UNAUTHENTICATED, NOT_FOUND, "
+    "UNAVAILABLE, CANCELLED when the gateway gave up).",
+    ["model", "version", "tenant", "outcome"], registry=REGISTRY,
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "baton_scheduler_queue_wait_seconds",
+    "Time a Place waited in the tenant-fair queue for worker capacity (only those that waited), by tenant "
+    "and outcome (placed, timeout, abandoned).",
+    ["tenant", "outcome"], buckets=DECISION_BUCKETS, registry=REGISTRY,
+)
+
+
+def place_outcome(placed_with_prefill: bool | None, error: BaseException | None = None) -> str:
+    """The ``outcome`` label of one Place: how it placed, or the gRPC code it was refused with."""
+    if error is None:
+        return "prefill_pool" if placed_with_prefill else "local_prefill"
+    if isinstance(error, ServingError):
+        return error.grpc_code
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    from redis.exceptions import RedisError
+
+    return "UNAVAILABLE" if isinstance(error, RedisError) else "INTERNAL"
+
+
+def record_place(seconds: float, model: str, tenant: str = "", version: str = "",
+                 placed_with_prefill: bool | None = None, error: BaseException | None = None) -> None:
+    """One Place answered (``error`` None) or refused: its latency and its outcome."""
+    outcome = place_outcome(placed_with_prefill, error)
+    DECISION_SECONDS.labels(outcome).observe(seconds)
+    DECISIONS.labels(model or NONE, version or NONE, TENANTS(tenant), outcome).inc()
+
+
+def record_queue_wait(seconds: float, tenant: str, outcome: str) -> None:
+    """One Place's wait in the fair queue ended: ``placed``, ``timeout`` or ``abandoned``."""
+    QUEUE_WAIT_SECONDS.labels(TENANTS(tenant), outcome).observe(seconds)
+
+
+@dataclass(slots=True)
+class ClusterState:
+    """What a replica reads from Redis at scrape time (cluster-wide: every replica reports the same)."""
+
+    redis_up: bool = False
+    leases_active: dict[str, int] = field(default_factory=dict)  # state → leases in it now
+    leases_total: dict[str, int] = field(default_factory=dict)  # state → leases that ever entered it
+    stranded_blocks: int = 0
+    queue_depth: int = 0  # requests in the fair queue, every replica's
+    waiting_here: int = 0  # this replica's requests in the fair queue
+    workers: dict[tuple[str, str, str, str], int] = field(default_factory=dict)  # (model, version, role, state)
+
+
+class ClusterStateCollector(Collector):
+    """The scheduler's scrape-time gauges and counters from the last `ClusterState` read."""
+
+    def __init__(self) -> None:
+        self.state = ClusterState()
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.state
+        up = GaugeMetricFamily("baton_scheduler_redis_up", "1 when the last scrape could read Redis, else 0.")
+        up.add_metric([], 1.0 if s.redis_up else 0.0)
+        here = GaugeMetricFamily("baton_scheduler_queue_waiting", "This replica's Place calls waiting in the queue.")
+        here.add_metric([], s.waiting_here)
+        if not s.redis_up:  # no cluster-wide series rather than zeros that look real
+            return [up, here]
+        active = GaugeMetricFamily("baton_scheduler_leases_active",
+                                   "KV leases held now (cluster-wide), by state (pinned, pulling).", labels=["state"])
+        for state in ("pinned", "pulling"):
+            active.add_metric([state], s.leases_active.get(state, 0))
+        total = CounterMetricFamily(
+            "baton_scheduler_leases",
+            "KV leases that entered each state since Redis started (cluster-wide): pinned (created), pulling, "
+            "released, expired, aborted.", labels=["state"])
+        for state in ("pinned", "pulling", "released", "expired", "aborted"):
+            total.add_metric([state], s.leases_total.get(state, 0))
+        stranded = GaugeMetricFamily("baton_scheduler_stranded_blocks",
+                                     "KV blocks of leases past their expiry and not yet reaped (should read 0).")
+        stranded.add_metric([], s.stranded_blocks)
+        depth = GaugeMetricFamily("baton_scheduler_queue_depth",
+                                  "Requests waiting in the tenant-fair queue, every replica's.")
+        depth.add_metric([], s.queue_depth)
+        workers = GaugeMetricFamily("baton_scheduler_workers",
+                                    "Live registered workers by model, version, role and state (serving, draining).",
+                                    labels=["model", "version", "role", "state"])
+        for key, n in sorted(s.workers.items()):
+            workers.add_metric(list(key), n)
+        return [up, active, total, stranded, depth, here, workers]

@@ -1,0 +1,301 @@
+"""Every process's /metrics after a short run: `baton up` on the tiny model (Redis, scheduler, prefill
+worker, decode worker and gateway as separate processes), a few requests of two tenants over HTTP and
+gRPC, one of them cancelled; then each metric documented in docs/METRICS.md is scraped from its
+process and its values checked against what the clients saw and against each other."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW = re.compile(r"^\| `(baton_\w+)` \| (\w+) \|")
+ACME_KEY = "key-of-acme"
+LONG_PROMPT = ("Continuous batching keeps accelerators busy while sequences come and go, and the quick brown fox "
+               "jumps over the lazy dog near Paris, the capital of France, while Berlin is the capital of Germany.")
+SHORT_PROMPT = "def add(a, b):"
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    http: str
+    grpc: str
+    redis: str
+    metrics: dict[str, str]  # process → its /metrics URL
+    tenant_added: bool = False
+
+
+def start_up(log_dir: Path, model: Path) -> Up:
+    cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--grpc-port", "0", "--http-port", "0",
+           "--threads", "1", "--kv-cache-memory", "16MiB", "--kv-transport", "tcp", "--log-dir", str(log_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Press Ctrl-C" in line:
+            break
+    text = "".join(lines)
+    http_url = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
+    grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
+    redis_url = re.search(r"redis\s+: (redis://\S+)", text)
+    metrics = dict(re.findall(r"(\w+)=(http://\S+/metrics)", text))
+    if not (http_url and grpc_addr and redis_url) or set(metrics) != {"gateway", "scheduler", "prefill", "decode"}:
+        proc.kill()
+        raise AssertionError(f"baton up did not become ready:\n{text}")
+    return Up(proc, http_url.group(1), grpc_addr.group(1), redis_url.group(1), metrics)
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    cluster = start_up(tmp_path_factory.mktemp("metrics-up"), tiny_llama)
+    try:
+        yield cluster
+    finally:
+        if cluster.proc.poll() is None:
+            cluster.proc.send_signal(signal.SIGINT)
+            try:
+                cluster.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                cluster.proc.kill()
+
+
+async def add_tenant(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    from scheduler.tenants import TenantConfig, TenantDirectory
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        tenants = TenantDirectory(client)
+        await tenants.add_tenant(TenantConfig("acme"))
+        await tenants.add_api_key(ACME_KEY, "acme")
+    finally:
+        await client.aclose()
+
+
+def complete(up: Up, prompt: str, key: str | None, max_tokens: int = 12) -> dict[str, int]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"{up.http}/v1/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=60) as r:
+        usage: dict[str, int] = json.loads(r.read())["usage"]
+    return usage
+
+
+def stream(up: Up, prompt: str, key: str | None, max_tokens: int, stop_after: int | None = None) -> dict[str, int]:
+    """An SSE completion with usage; with ``stop_after``, the connection closes after that many chunks."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    host, port = up.http.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    response = conn.getresponse()
+    assert response.status == 200
+    usage: dict[str, int] = {}
+    chunks = 0
+    for line in response:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line.removeprefix(b"data: "))
+        usage = chunk.get("usage") or usage
+        chunks += 1
+        if stop_after is not None and chunks >= stop_after:
+            break
+    conn.close()
+    return usage
+
+
+def grpc_generate(up: Up, prompt: str, key: str, max_tokens: int) -> dict[str, int]:
+    with grpc.insecure_channel(up.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        for msg in stub.Generate(req, timeout=60, metadata=(("x-api-key", key),)):
+            if msg.HasField("completion"):
+                u = msg.completion.usage
+                return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
+    raise AssertionError("no completion")
+
+
+class Scrape:
+    """One /metrics page, parsed."""
+
+    def __init__(self, url: str) -> None:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(self, sample: str, **labels: str) -> float:
+        """The sum of ``sample`` over the series whose labels include ``labels``."""
+        return sum(s.value for f in self.families.values() for s in f.samples
+                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def labels(self, sample: str, label: str) -> set[str]:
+        return {s.labels[label] for f in self.families.values() for s in f.samples if s.name == sample}
+
+
+def documented() -> dict[str, tuple[str, str]]:
+    """Exposed metric name → (family name, type), from docs/METRICS.md's tables."""
+    out = {}
+    for line in (ROOT / "docs" / "METRICS.md").read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            name, kind = m.groups()
+            out[name] = (name.removesuffix("_total") if kind == "counter" else name, kind)
+    return out
+
+
+def wait_idle(up: Up, timeout_s: float = 15.0) -> dict[str, Scrape]:
+    """Scrapes until both workers are idle with every block free and no lease held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        scrapes = {name: Scrape(up.metrics[name]) for name in ("prefill", "decode")}
+        idle = all(s.value("baton_worker_kv_blocks_free") == s.value("baton_worker_kv_blocks") > 0
+                   and s.value("baton_worker_leases_held") == s.value("baton_worker_requests_running") == 0
+                   and s.value("baton_worker_transfers_in_flight") == 0 for s in scrapes.values())
+        if idle:
+            return scrapes
+        assert time.monotonic() < deadline, "the workers did not free every block"
+        time.sleep(0.05)
+
+
+def wait_gateway_idle(up: Up, timeout_s: float = 10.0) -> Scrape:
+    """The gateway counts a cancelled request once its worker aborts have landed."""
+    deadline = time.monotonic() + timeout_s
+    while (page := Scrape(up.metrics["gateway"])).value("baton_gateway_requests_in_flight") > 0:
+        assert time.monotonic() < deadline, "requests still in flight at the gateway"
+        time.sleep(0.05)
+    return page
+
+
+def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> None:
+    asyncio.run(add_tenant(up.redis))
+    up.tenant_added = True
+    # acme: a new long prompt (disaggregated), the same again (a prefix hit), one streamed, one over gRPC.
+    acme = [complete(up, LONG_PROMPT, ACME_KEY), complete(up, LONG_PROMPT, ACME_KEY),
+            stream(up, LONG_PROMPT + " again", ACME_KEY, 10), grpc_generate(up, LONG_PROMPT + " twice", ACME_KEY, 8)]
+    # the default tenant: a short prompt (prefilled on the decode worker) and a long one.
+    default = [complete(up, SHORT_PROMPT, None), complete(up, "Paris " + LONG_PROMPT, None, max_tokens=6)]
+    cancelled = stream(up, "Berlin " + LONG_PROMPT, None, 200, stop_after=3)
+    assert not cancelled, "the cancelled stream got no usage"
+    completed = acme + default
+    n_completed = len(completed)
+    workers = wait_idle(up)
+    gateway = wait_gateway_idle(up)
+    scheduler = Scrape(up.metrics["scheduler"])
+    prefill, decode = workers["prefill"], workers["decode"]
+
+    # Every documented metric is served by its process, with its documented type.
+    for name, (family, kind) in documented().items():
+        component = name.split("_")[1]
+        pages = {"gateway": [gateway], "scheduler": [scheduler], "worker": [prefill, decode]}[component]
+        for page in pages:
+            assert family in page.families, f"{name} is documented but not served by the {component}"
+            assert page.families[family].type == kind, f"{name}: served as {page.families[family].type}"
+
+    # Gateway: outcomes, per-request histograms of the completed requests, tokens per tenant.
+    assert gateway.value("baton_gateway_requests_total", outcome="ok", code="OK") == n_completed
+    assert gateway.value("baton_gateway_requests_total", api="grpc") == 1
+    assert gateway.value("baton_gateway_requests_total", outcome="cancelled") == 1
+    assert gateway.value("baton_gateway_cancellations_total", reason="disconnect") == 1
+    assert gateway.value("baton_gateway_requests_in_flight") == 0
+    for hist in ("ttft", "e2e", "queue", "prefill", "transfer", "decode"):
+        assert gateway.value(f"baton_gateway_{hist}_seconds_count") == n_completed, hist
+    e2e = gateway.value("baton_gateway_e2e_seconds_sum")
+    segments = sum(gateway.value(f"baton_gateway_{s}_seconds_sum") for s in ("queue", "prefill", "transfer", "decode"))
+    assert 0 < segments <= e2e
+    assert 0 < gateway.value("baton_gateway_ttft_seconds_sum") < e2e
+    assert gateway.value("baton_gateway_transfer_seconds_sum") > 0, "no request was handed off"
+    gaps = sum(u["completion_tokens"] - 1 for u in completed)
+    assert gaps <= gateway.value("baton_gateway_itl_seconds_count") <= gaps + 200
+    assert gateway.value("baton_gateway_client_wait_seconds_count") == n_completed
+    assert gateway.labels("baton_gateway_ttft_seconds_count", "tenant") == {"acme", "default"}
+    version = gateway.labels("baton_gateway_ttft_seconds_count", "version").pop()
+    assert gateway.value("baton_gateway_prompt_tokens_total", tenant="acme") == sum(u["prompt_tokens"] for u in acme)
+    assert gateway.value("baton_gateway_generation_tokens_total", tenant="acme") == sum(
+        u["completion_tokens"] for u in acme)
+    default_out = sum(u["completion_tokens"] for u in default)
+    assert default_out + 2 <= gateway.value("baton_gateway_generation_tokens_total", tenant="default") < default_out + 200
+    assert gateway.value("baton_gateway_prompt_tokens_total", tenant="default") > sum(u["prompt_tokens"] for u in default)
+
+    # Workers: their identity, one handoff per prefill, every block back, the cancel timed.
+    assert prefill.labels("baton_worker_kv_blocks", "version") == {version}
+    assert prefill.labels("baton_worker_kv_blocks", "role") == {"prefill"}
+    handoffs = prefill.value("baton_worker_requests_total", rpc="prefill", outcome="ok")
+    assert handoffs >= 2
+    assert prefill.value("baton_worker_queue_seconds_count") == prefill.value("baton_worker_prefill_seconds_count")
+    assert prefill.value("baton_worker_prefill_seconds_count") == handoffs
+    assert prefill.value("baton_worker_leases_ended_total", outcome="released") == handoffs
+    assert prefill.value("baton_worker_leases_ended_total", outcome="expired") == 0
+    peers = decode.labels("baton_worker_kv_transfer_bytes_total", "peer")
+    assert peers == prefill.labels("baton_worker_kv_blocks", "worker")
+    assert decode.value("baton_worker_kv_transfer_seconds_count") == handoffs
+    assert decode.value("baton_worker_kv_transfer_bytes_total") > 0
+    assert decode.value("baton_worker_kv_transfer_failures_total") == 0
+    local = decode.value("baton_worker_prefill_seconds_count")
+    assert local >= 1 and local + handoffs == n_completed + 1  # every request prefilled once, the cancel too
+    assert decode.value("baton_worker_decode_seconds_count") == n_completed
+    assert decode.value("baton_worker_requests_total", rpc="decode", outcome="cancelled") == 1
+    assert decode.value("baton_worker_aborts_total") >= 1
+    assert decode.value("baton_worker_abort_seconds_count") == decode.value("baton_worker_aborts_total")
+    assert decode.value("baton_worker_abort_seconds_sum") < 1.0
+    for page in (prefill, decode):
+        assert page.value("baton_worker_kv_blocks_used") == page.value("baton_worker_kv_blocks_pinned") == 0
+        assert page.value("baton_worker_prefix_cache_hits_total") <= page.value("baton_worker_prefix_cache_queries_total")
+        assert page.value("baton_worker_sampled_tokens_total") <= page.value("baton_worker_scheduled_tokens_total")
+        assert page.value("baton_worker_steps_total") > 0
+        assert page.value("baton_worker_preemptions_total") == page.value("baton_worker_slow_reader_aborts_total") == 0
+    # The repeated prompt hit a prefix cache somewhere.
+    assert prefill.value("baton_worker_prefix_cache_hits_total") + decode.value("baton_worker_prefix_cache_hits_total") > 0
+
+    # Scheduler: the cluster state it reads from Redis.
+    assert scheduler.value("baton_scheduler_redis_up") == 1
+    assert scheduler.value("baton_scheduler_leases_total", state="pinned") == handoffs
+    assert scheduler.value("baton_scheduler_leases_total", state="released") == handoffs
+    assert scheduler.value("baton_scheduler_leases_active") == scheduler.value("baton_scheduler_stranded_blocks") == 0
+    assert scheduler.value("baton_scheduler_workers", role="prefill", state="serving") == 1
+    assert scheduler.value("baton_scheduler_workers", role="decode", state="serving") == 1
+    assert scheduler.value("baton_scheduler_queue_depth") == scheduler.value("baton_scheduler_queue_waiting") == 0
+
+
+def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
+    """Needs the hooks in scheduler.service (`metrics.record_place`): one decision per request placed."""
+    complete(up, SHORT_PROMPT, ACME_KEY if up.tenant_added else None)
+    wait_idle(up)
+    gateway = wait_gateway_idle(up)
+    scheduler = Scrape(up.metrics["scheduler"])
+    placed = gateway.value("baton_gateway_requests_total") - gateway.value("baton_gateway_requests_total",
+                                                                          tenant="none")
+    assert placed > 0
+    decisions = scheduler.value("baton_scheduler_decisions_total")
+    assert decisions == scheduler.value("baton_scheduler_decision_seconds_count") == placed
+    assert scheduler.value("baton_scheduler_decisions_total", outcome="prefill_pool") == scheduler.value(
+        "baton_scheduler_leases_total", state="pinned")
+    assert scheduler.labels("baton_scheduler_decisions_total", "tenant") >= {"default"}
+    assert scheduler.value("baton_scheduler_decision_seconds_sum") < placed * 1.0
