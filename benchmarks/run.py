@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import disagg_bench, engine_bench, kv_bench, scheduler_bench, tenancy_bench
+from benchmarks import disagg_bench, engine_bench, kv_bench, peer_bench, scheduler_bench, tenancy_bench
 from benchmarks.report import DEFAULT_PATH, update_section
 
 # name → run(quick, command, threads, log) -> the section's Markdown
@@ -26,6 +26,7 @@ SECTIONS: dict[str, Callable[..., str]] = {
     "scheduler": scheduler_bench.run_section,
     "disaggregation": disagg_bench.run_section,
     "tenancy": tenancy_bench.run_section,
+    "peers": peer_bench.run_section,
 }
 
 

