@@ -10,6 +10,7 @@ workers hold, and records the client-side latency and the server-side `decision_
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import random
 import statistics
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.report import MachineInfo, provenance
 
@@ -34,6 +36,24 @@ def _pin(core: int | None) -> Callable[[], None] | None:
     if core is None:
         return None
     return lambda: os.sched_setaffinity(0, {core})
+
+
+def _heartbeats(address: str, loads: dict[str, tuple[int, int, int]], first_round: Any) -> None:
+    """The registered workers' load-only heartbeats, every half second, until terminated."""
+    import grpc
+
+    from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    async def beat() -> None:
+        stub = scheduler_pb2_grpc.SchedulerStub(grpc.aio.insecure_channel(address))
+        while True:
+            for addr, (free, running, waiting) in loads.items():
+                await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(address=addr, load_only=True, load=(
+                    scheduler_pb2.WorkerLoad(free_blocks=free, running=running, waiting=waiting))))
+            first_round.set()
+            await asyncio.sleep(0.5)
+
+    asyncio.run(beat())
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -77,19 +97,17 @@ async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dic
         return scheduler_pb2.PlaceRequest(request_id=f"b{n}", model="bench", prompt_token_ids=prompt,
                                           max_tokens=128)
 
-    loads = {f"10.0.{i // 250}.{i % 250}:9000": scheduler_pb2.WorkerLoad(
-        free_blocks=rng.randrange(1000, 4096), running=rng.randrange(0, 32), waiting=rng.randrange(0, 4))
-        for i in range(NUM_WORKERS)}
-
-    async def heartbeats() -> None:
-        # Like live workers: a load-only heartbeat from each every half second (their load stays the
-        # same), so the placements this replica counts against a worker age out as they do in a cluster.
-        while True:
-            for addr, load in loads.items():
-                await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(address=addr, load=load, load_only=True))
-            await asyncio.sleep(0.5)
-
-    beating = asyncio.create_task(heartbeats())
+    loads = {f"10.0.{i // 250}.{i % 250}:9000": (rng.randrange(1000, 4096), rng.randrange(0, 32), rng.randrange(0, 4))
+             for i in range(NUM_WORKERS)}
+    # Like live workers, in a process of their own (as workers are): a load-only heartbeat from each
+    # every half second (their load stays the same), so the placements this replica counts against a
+    # worker age out as they do in a cluster.
+    ctx = multiprocessing.get_context("spawn")
+    first_round = ctx.Event()
+    beating = ctx.Process(target=_heartbeats, args=(address, loads, first_round), daemon=True)
+    beating.start()
+    if not first_round.wait(60):  # measure once it runs, not while it starts up
+        raise RuntimeError("the heartbeat process did not start")
     # The gateway's path: its one `Calls` stream (services.placement.CallStream), as SchedulerRouter uses it.
     calls = CallStream(stub, address)
 
@@ -132,7 +150,8 @@ async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dic
 
     stream_rate = await rate(streamed)
     unary_rate = await rate(unary)
-    beating.cancel()
+    beating.terminate()
+    beating.join(5)
     await calls.close()
     await channel.close()
     return {

@@ -88,24 +88,24 @@ _SNAPSHOT_SETS = """
 local out = {}
 local known = cjson.decode(ARGV[4])
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local row = redis.call('HGETALL', ARGV[1] .. id)
-  if #row > 0 then
-    local f = {}
-    for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
-    if f['model'] == ARGV[3] and f['draining'] ~= '1' and f['drain_requested'] ~= '1' then
-      local k = known[id]
-      table.insert(out, id)
-      if k ~= nil and k[2] == f['timestamp'] then
-        table.insert(out, 0)
-      else
-        table.insert(out, cjson.encode(f))
-      end
-      table.insert(out, f['prefix_gen'] or '')
-      if k ~= nil and k[1] == f['prefix_gen'] then
-        table.insert(out, 0)
-      else
-        table.insert(out, redis.call('SMEMBERS', ARGV[2] .. id))
-      end
+  -- The few fields that decide, first: most records are unchanged and never read whole.
+  local m = redis.call('HMGET', ARGV[1] .. id, 'model', 'draining', 'drain_requested', 'timestamp', 'prefix_gen')
+  if m[1] == ARGV[3] and m[2] ~= '1' and m[3] ~= '1' then
+    local k = known[id]
+    table.insert(out, id)
+    if k ~= nil and k[2] == m[4] then
+      table.insert(out, 0)
+    else
+      local row = redis.call('HGETALL', ARGV[1] .. id)
+      local f = {}
+      for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
+      table.insert(out, cjson.encode(f))
+    end
+    table.insert(out, m[5] or '')
+    if k ~= nil and k[1] == m[5] then
+      table.insert(out, 0)
+    else
+      table.insert(out, redis.call('SMEMBERS', ARGV[2] .. id))
     end
   end
 end

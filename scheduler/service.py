@@ -418,6 +418,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                 reply = pb.SchedulerReply(call_id=call_id, error=_request_error(e))
             except RedisError as e:
                 reply = pb.SchedulerReply(call_id=call_id, error=_request_error(_store_down(e)))
+            except asyncio.CancelledError:  # abandoned (undone on the way out): still one reply per call
+                replies.put_nowait(pb.SchedulerReply(call_id=call_id, error=common_pb2.RequestError(
+                    code=grpc.StatusCode.CANCELLED.value[0], message=f"call {call_id} abandoned")))
+                raise
             except Exception:  # a bug must not end the other calls of this gateway
                 log.exception("scheduler call %s (%s) failed", call_id, kind)
                 reply = pb.SchedulerReply(call_id=call_id, error=common_pb2.RequestError(

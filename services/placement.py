@@ -190,6 +190,18 @@ def status_error(code: grpc.StatusCode, details: str, retry_after_s: float | Non
 _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
+Undo = Callable[[Any], object]
+
+
+class _Expired(Exception):
+    """A call's own timeout (kept apart from any TimeoutError raised around it)."""
+
+
+def _expire(reply: asyncio.Future[Any]) -> None:
+    if not reply.done():
+        reply.set_exception(_Expired())
+
+
 class CallStream:
     """The gateway's one `Scheduler.Calls` stream: many requests' calls multiplexed by call id, each
     answered whenever the scheduler is done with it. Opened on first use and again after it breaks;
@@ -200,29 +212,32 @@ class CallStream:
         self.address = address
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None] | None = None
-        self._pending: dict[int, asyncio.Future[scheduler_pb2.SchedulerReply]] = {}
+        # call id → (its waiter, what undoes it): until its reply arrives, also after it was given up
+        self._pending: dict[int, tuple[asyncio.Future[scheduler_pb2.SchedulerReply], Undo | None]] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    async def call(self, timeout_s: float, undo: Callable[[Any], object] | None = None, **call: Any) -> Any:
+    async def call(self, timeout_s: float, undo: Undo | None = None, **call: Any) -> Any:
         """Sends one call (``place=...``, ``finish=...``, ...) and returns its reply message; a failure
         is raised as the error the client sees. Cancelled or timed out, the call is abandoned on the
-        scheduler (a waiting Place leaves the queue, its quota returned); if its reply had arrived
-        already, ``undo`` gets the reply instead, to give back what the call took."""
+        scheduler (a waiting Place leaves the queue, its quota returned); if it succeeds there all the
+        same (its reply crossed the abandon), ``undo`` gets the reply, to give back what it took."""
         outbox = self._open()
         call_id = next(self._ids)
-        reply = self._pending[call_id] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[scheduler_pb2.SchedulerReply] = loop.create_future()
+        self._pending[call_id] = (reply, undo)
         outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, **call))
+        timer = loop.call_later(timeout_s, _expire, reply)
         try:
-            answer = await asyncio.wait_for(asyncio.shield(reply), timeout_s)
-        except (asyncio.CancelledError, TimeoutError) as e:
-            self._pending.pop(call_id, None)
-            if not reply.done():
+            answer = await reply
+        except (asyncio.CancelledError, _Expired) as e:
+            if call_id in self._pending:  # no reply yet: the scheduler undoes it (or its reply is undone)
                 outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, abandon=True))
-            elif undo is not None and reply.exception() is None and reply.result().WhichOneof("reply") != "error":
-                undo(getattr(reply.result(), reply.result().WhichOneof("reply")))
-            if isinstance(e, TimeoutError):
+            if isinstance(e, _Expired):
                 raise Unavailable(f"the scheduler {self.address} did not answer in time") from None
             raise
+        finally:
+            timer.cancel()
         kind = answer.WhichOneof("reply")
         if kind == "error":
             err = answer.error
@@ -257,9 +272,13 @@ class CallStream:
         try:
             async for batch in stream:
                 for reply in batch.replies:
-                    waiter = self._pending.pop(reply.call_id, None)
-                    if waiter is not None and not waiter.done():
+                    waiter, undo = self._pending.pop(reply.call_id, (None, None))
+                    if waiter is None:
+                        continue
+                    if not waiter.done():
                         waiter.set_result(reply)
+                    elif undo is not None and (kind := reply.WhichOneof("reply")) not in (None, "error"):
+                        undo(getattr(reply, kind))  # given up, but it had succeeded: give it back
         except grpc.aio.AioRpcError as e:
             error = scheduler_error(e, self.address)
         finally:
@@ -268,7 +287,7 @@ class CallStream:
             outbox.put_nowait(None)
             stream.cancel()
             pending, self._pending = self._pending, {}
-            for waiter in pending.values():
+            for waiter, _ in pending.values():
                 if not waiter.done():
                     waiter.set_exception(error)
 

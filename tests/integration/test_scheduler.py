@@ -333,6 +333,15 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
 
             await eventually(quota_free)
 
+            # Calls given up at once (their timeout ~0): whether the abandon reaches the scheduler before
+            # its Place ends (undone there) or after (the reply crosses it; the gateway undoes it), every
+            # quota comes back, and every call gets exactly one reply (nothing left pending).
+            for i in range(20):
+                with pytest.raises(Unavailable, match="did not answer in time"):
+                    await router.route(replace(query(f"t{i}"), timeout_s=1e-6))
+            await eventually(quota_free)
+            await eventually(lambda: _true(not router._calls._pending))
+
             # No decode room (the worker's queue limit is 0 now): a Place waits in the fair queue. Cancelled
             # by the gateway, it leaves the queue and its quota comes back.
             servicer.placer.policy = replace(servicer.placer.policy, max_decode_queue=0)
@@ -358,6 +367,10 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             await router.close()
 
     run(redis_server, tiny_llama, body)
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _both(depth: Awaitable[int], free: Awaitable[bool]) -> bool:
