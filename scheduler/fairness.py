@@ -4,15 +4,15 @@ When admission must wait (no free decode blocks), requests wait here and leave i
 order (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24): each tenant has a counter
 of the tokens it was served divided by its weight; the next request comes from the waiting tenant with
 the smallest counter, FIFO within a tenant. A tenant that starts waiting while others wait is put
-between the smallest of their counters minus ``burst_credit_tokens`` and a thousandth of a token above
-it: it banks at most that much credit while idle (0 = plain VTC's lift), and at most one request of
-debt — service it had while nobody else waited (the scheduler charges admissions that did not wait too)
-puts its next request right after the request that is next, never behind everything that waits. It
-never goes before a waiting tenant whose counter is lower than its own, though: a heavy tenant that
-comes and goes (each of its requests placed or refused before the next arrives) must not overtake a
-light tenant's request on every return. A light tenant's short burst goes before a backlogged tenant's
+within ``burst_credit_tokens`` of the smallest of their counters: it banks at most that much credit
+while idle (0 = plain VTC's lift), and keeps at most that much debt — service it had while nobody else
+waited (the scheduler charges admissions that did not wait too) never keeps its next request behind
+everything that waits. It never goes level with or before a waiting tenant whose counter is lower than
+its own, though: a heavy tenant that comes and goes (each of its requests placed or refused before the
+next arrives) must neither overtake a light tenant's waiting request on every return nor have its
+service beyond the credit forgotten each time. A light tenant's short burst goes before a backlogged tenant's
 requests instead of alternating with them. With none waiting a joining tenant is lifted to the
-counter of the last tenant that left. Fairness is therefore token-weighted, not per request: while two
+counter of the last tenant that left, less the same credit. Fairness is therefore token-weighted, not per request: while two
 tenants both wait, their counters differ by at most one request's cost / weight plus the burst credit.
 
 Popping charges the request's ``cost_tokens`` (the caller's estimate, e.g. prompt + max_tokens) at
@@ -40,9 +40,10 @@ from core.errors import CapacityExceeded
 from scheduler.tenants import TenantConfig
 
 TIE = 1e-3  # tokens: how far above the next waiter's counter a joining tenant with more service is put
+CREDIT_FILL_S = 1.0  # seconds without an admission or a wait that earn a tenant the whole burst credit
 
 # ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
-_LIB = f"local TIE = {TIE!r}\n" + """
+_LIB = f"local TIE = {TIE!r}\nlocal CREDIT_FILL_S = {CREDIT_FILL_S!r}\n" + """
 local base = ARGV[1]
 -- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
 local function num(x) return string.format('%.17g', x) end
@@ -55,6 +56,7 @@ end
 local function deactivate(tenant)
   redis.call('ZREM', base .. 'active', tenant)
   redis.call('SET', base .. 'floor', redis.call('HGET', base .. 'vtc', tenant) or '0')
+  redis.call('HSET', base .. 'idle', tenant, num(now))  -- earns credit from now on
 end
 
 -- Takes an entry out of every structure; a tenant whose queue empties stops being active.
@@ -102,30 +104,33 @@ if mine >= tonumber(ARGV[8]) then
   return reply
 end
 if not redis.call('ZSCORE', base .. 'active', tenant) then
-  -- Becoming active: lift to the smallest waiting counter, so idle time earns no credit. The values
-  -- stay Redis's own text so that no precision is lost on the way through Lua.
-  local counter = redis.call('HGET', base .. 'vtc', tenant) or '0'
+  -- Becoming active. The values stay Redis's own text where no arithmetic is needed, so that no
+  -- precision is lost on the way through Lua. Credit is earned by idle time: CREDIT_FILL_S seconds
+  -- since the tenant's last admission or wait fill it to the burst credit; a tenant never seen has none.
+  local cap = tonumber(ARGV[10])
+  local last = redis.call('HGET', base .. 'idle', tenant)
+  local credit = 0
+  if last then credit = math.min(cap, cap * math.max(0, now - tonumber(last)) / CREDIT_FILL_S) end
+  local own = tonumber(redis.call('HGET', base .. 'vtc', tenant) or '0')
   local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
-  local lift = top[2] or redis.call('GET', base .. 'floor') or '0'
-  if top[2] then
-    -- Joining tenants that wait: kept within [their smallest counter - burst credit, that + TIE], and
-    -- never level with it.
-    -- Lifted if lower (at most a burst's credit from idle time), lowered if higher (at most one request
-    -- of debt from service it had while nobody else waited: it goes right after the next request, not
-    -- before it — else a heavy tenant that keeps leaving and rejoining overtakes a light one's waiting
-    -- request each time). A short burst of a light tenant goes before the backlogged ones.
-    local next_counter = tonumber(top[2])
-    local own = tonumber(counter)
-    if own >= next_counter then
-      counter = num(next_counter + TIE)  -- a tie goes to the one already waiting
-    else
-      counter = num(math.max(next_counter - math.max(TIE, tonumber(ARGV[10])), own))
-    end
-    redis.call('HSET', base .. 'vtc', tenant, counter)
-  elseif tonumber(lift) > tonumber(counter) then
-    counter = lift
-    redis.call('HSET', base .. 'vtc', tenant, counter)
+  -- The reference: the next waiter's counter, or with nobody waiting the counter of the last tenant
+  -- that left. A joiner is put within [ref - credit, ref + burst credit]: lifted if it lags (idle time
+  -- earns no more than the credit), lowered if ahead (what it was served while nobody else waited is a
+  -- debt of at most a burst's worth, so it is not starved for long), then moved down by the credit it
+  -- earned (a light tenant's burst after an idle spell goes first). With others waiting it is never
+  -- level with the next waiter: a tie goes to the joiner if it lags, to the waiter otherwise — so a
+  -- heavy tenant that keeps leaving and rejoining (never idle, no credit) neither overtakes a light
+  -- one's waiting request each time nor has what it was served beyond the burst credit forgotten.
+  local ref = tonumber(top[2] or redis.call('GET', base .. 'floor') or '0')
+  local counter
+  if own < ref then
+    counter = math.max(own, ref - math.max(credit, top[2] and TIE or 0))
+  else
+    counter = math.min(own, ref + cap) - credit
+    if top[2] and counter >= ref then counter = math.max(counter, ref + TIE) end
   end
+  if counter ~= own then redis.call('HSET', base .. 'vtc', tenant, num(counter)) end
+  counter = num(counter)
   redis.call('ZADD', base .. 'active', counter, tenant)
 end
 redis.call('HSET', base .. 'weights', tenant, ARGV[7])
@@ -172,6 +177,9 @@ end
 # ARGV: base, now, tenant, tokens / weight
 _CHARGE = _LIB + """
 local counter = redis.call('HINCRBYFLOAT', base .. 'vtc', ARGV[3], ARGV[4])
+if not redis.call('ZSCORE', base .. 'active', ARGV[3]) then
+  redis.call('HSET', base .. 'idle', ARGV[3], num(now))  -- admitted without waiting: its credit starts again
+end
 if redis.call('ZSCORE', base .. 'active', ARGV[3]) then
   redis.call('ZADD', base .. 'active', counter, ARGV[3])
 end

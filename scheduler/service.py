@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -411,17 +412,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         replies: asyncio.Queue[pb.SchedulerReply | None] = asyncio.Queue()
         running: dict[int, asyncio.Task[None]] = {}
 
-        async def answer(call_id: int, kind: str, work: Awaitable[Message]) -> None:
+        async def answer(call_id: int, kind: str, request: Message) -> None:
             try:
-                reply = pb.SchedulerReply(call_id=call_id, **{kind: await work})
+                reply = pb.SchedulerReply(call_id=call_id, **{kind: await self._stream_handlers[kind](request)})
             except ServingError as e:
                 reply = pb.SchedulerReply(call_id=call_id, error=_request_error(e))
             except RedisError as e:
                 reply = pb.SchedulerReply(call_id=call_id, error=_request_error(_store_down(e)))
-            except asyncio.CancelledError:  # abandoned (undone on the way out): still one reply per call
-                replies.put_nowait(pb.SchedulerReply(call_id=call_id, error=common_pb2.RequestError(
-                    code=grpc.StatusCode.CANCELLED.value[0], message=f"call {call_id} abandoned")))
-                raise
             except Exception:  # a bug must not end the other calls of this gateway
                 log.exception("scheduler call %s (%s) failed", call_id, kind)
                 reply = pb.SchedulerReply(call_id=call_id, error=common_pb2.RequestError(
@@ -441,8 +438,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                 replies.put_nowait(pb.SchedulerReply(call_id=call.call_id, error=common_pb2.RequestError(
                     code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=f"call {call.call_id} {why}")))
             else:
-                work = self._stream_handlers[kind](getattr(call, kind))
-                running[call.call_id] = asyncio.create_task(answer(call.call_id, kind, work))
+                task = running[call.call_id] = asyncio.create_task(answer(call.call_id, kind, getattr(call, kind)))
+                task.add_done_callback(functools.partial(abandoned, call.call_id))
+
+        def abandoned(call_id: int, task: asyncio.Task[None]) -> None:
+            """One reply per call, also for one cancelled (undone on the way out) before or while it ran."""
+            if task.cancelled():
+                running.pop(call_id, None)
+                replies.put_nowait(pb.SchedulerReply(call_id=call_id, error=common_pb2.RequestError(
+                    code=grpc.StatusCode.CANCELLED.value[0], message=f"call {call_id} abandoned")))
 
         async def read() -> None:
             try:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from redis_runner import Clock, run
 
 from core.errors import CapacityExceeded
-from scheduler.fairness import TIE, FairQueue, QueuedRequest
+from scheduler.fairness import CREDIT_FILL_S, TIE, FairQueue, QueuedRequest
 from scheduler.tenants import TenantConfig
 
 pytestmark = pytest.mark.unit
@@ -81,26 +81,57 @@ def test_service_while_nobody_waited_is_no_debt_later(url: str) -> None:
 def test_a_heavy_tenant_that_comes_and_goes_never_overtakes_a_waiting_light_one(url: str) -> None:
     """The flood pattern: the heavy tenant's requests each leave the queue (placed) before its next one
     arrives, so it keeps re-joining while a light tenant's request waits. Each time it joins it must
-    line up after that request, not before it."""
+    line up after that request — keeping a burst's credit of its surplus, not forgiven it — and a light
+    burst after an idle second goes before it."""
     async def body(r: aioredis.Redis) -> None:
-        q = FairQueue(r, clock=Clock(), burst_credit_tokens=512)
+        clock = Clock()
+        q = FairQueue(r, clock=clock, burst_credit_tokens=512)
         await q.charge(B, 50_000)  # b, the flood, has had far more service than a
         for i in range(3):
+            clock.now += 1.0  # a sends about one request a second
             await q.enqueue(A, f"a{i}", 96, 60)  # a light tenant's request waits alone
-            await q.enqueue(B, f"b{i}", 96, 60)  # the flood joins while it waits
-            assert await q.counter("b") > await q.counter("a")
-            assert [(await q.pop_next()).request_id for _ in range(2)] == [f"a{i}", f"b{i}"]  # both placed
+            await q.charge(B, 96)  # the flood was admitted without waiting just now (it never idles)...
+            await q.enqueue(B, f"b{i}", 96, 60)  # ...and joins while a's request waits
+            assert await q.counter("b") == pytest.approx(await q.counter("a") + 512)
+            assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(2)] == [f"a{i}", f"b{i}"]
+        await q.enqueue(B, "b3", 96, 60)  # b waits alone now...
+        clock.now += 1.0
+        for i in range(3, 7):
+            await q.enqueue(A, f"a{i}", 96, 60)  # ...and a light burst arrives after an idle second
+        assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(5)] == ["a3", "a4", "a5", "a6", "b3"]
 
     run(url, body)
 
 
+def test_credit_is_earned_by_idle_time_and_a_new_tenant_has_none(url: str) -> None:
+    """A tenant that waited or was admitted just now, or was never seen, joins a hair below the next
+    waiter (plain VTC); one idle for CREDIT_FILL_S joins the whole burst credit below it."""
+    async def body(r: aioredis.Redis) -> None:
+        clock = Clock()
+        q = FairQueue(r, clock=clock, burst_credit_tokens=300)
+        for i in range(10):
+            await q.enqueue(B, f"b{i}", 100, 60)
+        for _ in range(5):
+            await q.pop_next()  # b: 500
+        await q.enqueue(C, "c0", 10, 60)  # never seen: no credit
+        assert await q.counter("c") == pytest.approx(500 - TIE)
+        await q.charge(A, 0)  # a was admitted just now (without waiting)
+        clock.now += CREDIT_FILL_S / 2
+        await q.enqueue(A, "a0", 10, 60)  # idle half the fill time: half the credit
+        assert await q.counter("a") == pytest.approx(500 - TIE - 150)  # below c, the next waiter
+
+    run(url, body)
+
 def test_a_light_tenants_short_burst_goes_before_a_backlogged_one(url: str) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q = FairQueue(r, clock=Clock(), burst_credit_tokens=200)
+        clock = Clock()
+        q = FairQueue(r, clock=clock, burst_credit_tokens=200)
+        await q.charge(A, 0)  # a was admitted once, then idles
         for i in range(40):
             await q.enqueue(B, f"b{i}", 50, 60)
         for _ in range(20):
             await q.pop_next()  # b was served 1000 tokens while a was idle
+        clock.now += CREDIT_FILL_S
         for i in range(5):
             await q.enqueue(A, f"a{i}", 50, 60)  # a joins at most 200 tokens below b
         assert await q.counter("a") == pytest.approx(await q.counter("b") - 200)
