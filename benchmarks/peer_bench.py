@@ -192,6 +192,12 @@ def sustained_rate(points: Sequence[Point]) -> float:
     return max((p.rate for p in points if p.sustained), default=0.0)
 
 
+def first_failed_rate(points: Sequence[Point]) -> float | None:
+    """The lowest rate tried above the sustained one that was not sustained: the true limit lies between."""
+    best = sustained_rate(points)
+    return min((p.rate for p in points if p.rate > best and not p.sustained), default=None)
+
+
 PLOT_PATH = REPO_ROOT / "docs" / "img" / "peers.png"
 
 
@@ -253,7 +259,12 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
     else:
         ratio = baton / best
         verdict = (f"Baton ÷ best peer: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:g}×: "
-                   f"**{'met' if ratio >= GOAL_RATIO else 'not met'}**)")
+                   f"**{'met' if ratio >= GOAL_RATIO else 'not met'}** on this grid of rates)")
+        best_peer = max((points for s, points in runs[1:] if not s.missing), key=sustained_rate)
+        baton_next, peer_next = first_failed_rate(runs[0][1]), first_failed_rate(best_peer)
+        if baton_next is not None and peer_next is not None:
+            verdict += (f". Each limit lies between its last sustained rate and the next rate tried, so the "
+                        f"ratio lies between {baton / peer_next:.2f}× and {baton_next / best:.2f}×")
     return "\n".join([
         "## Peers: Baton against transformers serve and llama.cpp",
         "",

@@ -30,7 +30,11 @@ def test_the_verdict_is_baton_over_the_best_peer_and_names_missing_peers() -> No
     baton, tf, llama = (System(name, [], 0, []) for name in ("Baton", "transformers", "llama.cpp"))
     text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95)]),
                                    (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
-    assert "Baton ÷ best peer: **6.00×** (goal ≥ 2×: **met**)" in text
+    assert "Baton ÷ best peer: **6.00×** (goal ≥ 2×: **met** on this grid of rates)" in text
+    assert "ratio lies between" not in text  # Baton's sweep never failed: no upper bound to state
+    text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95), point(2.0, 0.3)]),
+                                   (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
+    assert "**6.00×**" in text and "the ratio lies between 3.00× and 8.00×" in text
     llama.missing = "not installed (`make peers`)"
     text = render(machine, "cmd", [(baton, [point(0.5, 1.0)]), (tf, [point(0.25, 1.0)]), (llama, [])])
     assert "Baton ÷ best peer: **2.00×**" in text and "not run: not installed" in text
