@@ -46,7 +46,7 @@ KEYS = {"quiet": "bench-quiet-key", "flood": "bench-flood-key"}
 class TenancyPlan:
     quiet_rate: float = 1.0  # requests/s, Poisson
     flood_factor: float = 10.0  # the flooding tenant's rate ÷ the quiet one's
-    duration_s: float = 40.0  # of each phase's arrivals
+    duration_s: float = 80.0  # of each phase's arrivals (about 70 quiet requests: p95 is their 4th slowest)
     prompt_lens: tuple[int, int] = (32, 64)  # drawn per request, inclusive
     output_len: int = 32
     seed: int = 0
