@@ -113,9 +113,6 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Row], path: Path) -> None
     for ax in list(axes.flat)[len(rows):]:
         ax.set_visible(False)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise LoadgenError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    from loadgen.plots import save_figure
+
+    save_figure(fig, path)

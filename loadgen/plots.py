@@ -57,7 +57,7 @@ def plot_latency_cdfs(result: dict[str, Any], path: Path) -> None:
     name = result.get("label") or result["backend"]
     fig.suptitle(f"{name} · {result['model_id']} · {result['completed']} requests")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_throughput(result: dict[str, Any], path: Path) -> None:
@@ -78,7 +78,7 @@ def plot_throughput(result: dict[str, Any], path: Path) -> None:
     ax.legend(lines, [str(line.get_label()) for line in lines], loc="upper left", fontsize=8)
     fig.suptitle(f"Throughput over time ({timeline['interval_s']:.2g} s bins)")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -93,7 +93,8 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
+    """Writes a figure as PNG and closes it; a path that cannot be written is a LoadgenError."""
     try:
         fig.savefig(path, dpi=110)
     except OSError as e:
