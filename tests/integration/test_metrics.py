@@ -299,3 +299,27 @@ def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
         "baton_scheduler_leases_total", state="pinned")
     assert scheduler.labels("baton_scheduler_decisions_total", "tenant") >= {"default"}
     assert scheduler.value("baton_scheduler_decision_seconds_sum") < placed * 1.0
+
+
+def test_loadgen_against_baton_up_writes_its_json_table_and_plots(up: Up, tiny_llama: Path, tmp_path: Path) -> None:
+    """`loadgen run` (a real subprocess, as a user runs it) against this `baton up` cluster, over gRPC and
+    HTTP: the vLLM-compatible JSON, the console table and the PNG plots; every request the gateway
+    counted as a completed TTFT sample is one loadgen completed. (After the metric checks above, which
+    count this module's own requests exactly.)"""
+    before = wait_gateway_idle(up).value("baton_gateway_ttft_seconds_count")
+    for target in (f"grpc://{up.grpc}", up.http):
+        out = tmp_path / target.split(":")[0]
+        proc = subprocess.run(
+            [sys.executable, "-m", "loadgen", "run", "--target", target, "--tokenizer", str(tiny_llama),
+             "--input-len", "16:24", "--output-len", "6", "--ignore-eos", "--num-requests", "6", "--arrival",
+             "closed", "--concurrency", "3", "--result-file", str(out / "result.json"), "--plot-dir",
+             str(out / "plots"), "--no-progress"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert "Serving Benchmark Result" in proc.stdout and "TTFT" in proc.stdout
+        result = json.loads((out / "result.json").read_text())
+        assert (result["completed"], result["failed"], result["total_output_tokens"]) == (6, 0, 36)
+        assert {"request_throughput", "output_throughput", "mean_ttft_ms", "p99_itl_ms", "ttfts", "itls"} <= set(result)
+        for png in ("latency_cdf.png", "throughput.png"):
+            assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+    assert wait_gateway_idle(up).value("baton_gateway_ttft_seconds_count") == before + 12
