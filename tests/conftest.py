@@ -8,11 +8,15 @@ loads them through exactly the path a user's model takes.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 TINY_VOCAB = 384
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -122,3 +126,22 @@ def redis_client(redis_server: Any) -> Any:
 def url(redis_server: Any, redis_client: Any) -> str:
     """The session redis-server's URL, its database flushed for this test (by ``redis_client``)."""
     return str(redis_server.url)
+
+
+def launch_baton_up(log_dir: Path, *flags: str, timeout_s: float = 240.0) -> tuple[subprocess.Popen[str], str]:
+    """`baton up` as a user starts it (any free ports, one thread per worker, logs in ``log_dir``), and
+    its banner as printed up to "Press Ctrl-C" (or whatever it printed before exiting or ``timeout_s``)."""
+    cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
+           "--log-dir", str(log_dir), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Press Ctrl-C" in line:
+            break
+    return proc, "".join(lines)

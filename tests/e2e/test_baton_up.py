@@ -8,8 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import launch_baton_up
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -38,20 +37,7 @@ class Up:
 
 
 def start_up(tmp: Path, *extra: str) -> Up:
-    cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
-           "--kv-cache-memory", "64MiB", "--log-dir", str(tmp / "logs"), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "Press Ctrl-C" in line:
-            break
-    text = "".join(lines)
+    proc, text = launch_baton_up(tmp / "logs", "--kv-cache-memory", "64MiB", *extra)
     http = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
     grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
     if not (http and grpc_addr):

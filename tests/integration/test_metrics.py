@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import launch_baton_up
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -45,20 +46,8 @@ class Up:
 
 
 def start_up(log_dir: Path, model: Path) -> Up:
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--grpc-port", "0", "--http-port", "0",
-           "--threads", "1", "--kv-cache-memory", "16MiB", "--kv-transport", "tcp", "--log-dir", str(log_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "Press Ctrl-C" in line:
-            break
-    text = "".join(lines)
+    proc, text = launch_baton_up(log_dir, "--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transport", "tcp",
+                                 timeout_s=180)
     http_url = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
     grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
     redis_url = re.search(r"redis\s+: (redis://\S+)", text)
