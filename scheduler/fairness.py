@@ -3,17 +3,28 @@
 When admission must wait (no free decode blocks), requests wait here and leave in Virtual Token Counter
 order (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24): each tenant has a counter
 of the tokens it was served divided by its weight; the next request comes from the waiting tenant with
-the smallest counter, FIFO within a tenant. A tenant that starts waiting while others wait is put
-within ``burst_credit_tokens`` of the smallest of their counters: it banks at most that much credit
-while idle (0 = plain VTC's lift), and keeps at most that much debt — service it had while nobody else
-waited (the scheduler charges admissions that did not wait too) never keeps its next request behind
-everything that waits. It never goes level with or before a waiting tenant whose counter is lower than
-its own, though: a heavy tenant that comes and goes (each of its requests placed or refused before the
-next arrives) must neither overtake a light tenant's waiting request on every return nor have its
-service beyond the credit forgotten each time. A light tenant's short burst goes before a backlogged tenant's
-requests instead of alternating with them. With none waiting a joining tenant is lifted to the
-counter of the last tenant that left, less the same credit. Fairness is therefore token-weighted, not per request: while two
-tenants both wait, their counters differ by at most one request's cost / weight plus the burst credit.
+the smallest counter, FIFO within a tenant. A tenant that starts waiting is put next to the *reference*
+— the next waiter's counter, or with nobody waiting the counter of the last tenant that stopped waiting
+(VTC's lift) — within ``burst_credit_tokens`` of it either way:
+
+* lifted if it lags (idle time banks no more than that), lowered if it is ahead (service it had while
+  nobody else waited — the scheduler charges admissions that did not wait too — is a debt of at most
+  a burst's worth, so its next request is never kept behind everything that waits);
+* moved down by the whole burst credit if it has *asked for less recently* than the reference
+  tenant: its *recent demand* (the tokens / weight of the requests it sent — queued or admitted at
+  once — decaying with a half-life of ``DEMAND_HALF_LIFE_S``) is below that tenant's. A light
+  tenant's short burst then goes before a heavy tenant's requests instead of alternating with them.
+  Demand, not service, decides: a flood that has just begun has been served little but asks for a lot,
+  and a light tenant that had the cluster to itself was served much but asked for little. A tenant
+  that never sent a request has no record and no credit: it joins level with the others (plain VTC);
+* never level with or before a waiting tenant whose counter is lower than its own without that credit:
+  a heavy tenant that comes and goes (each of its requests placed or refused before the next
+  arrives) neither overtakes a light tenant's waiting request on every return nor has its service
+  beyond the credit forgotten each time. Its queue emptying for a moment does not earn it credit
+  either — its recent demand stays above the light tenant's.
+
+Fairness is therefore token-weighted, not per request: while two tenants both wait, their counters
+differ by at most one request's cost / weight plus the burst credit.
 
 Popping charges the request's ``cost_tokens`` (the caller's estimate, e.g. prompt + max_tokens) at
 once, in the same script, so concurrent replicas always see the updated counters; ``charge`` corrects
@@ -24,7 +35,8 @@ built inside the scripts, which is allowed because they share the tag):
 ``{prefix}fq:{name}:entries`` hash id → entry JSON, ``:deadlines`` zset id → deadline,
 ``:q:<tenant>`` zset id → arrival sequence (FIFO), ``:seq`` the sequence, ``:active`` zset waiting
 tenant → counter, ``:vtc`` hash tenant → counter, ``:weights`` hash tenant → weight, ``:floor`` the
-counter of the last tenant that stopped waiting.
+counter of the last tenant that stopped waiting and ``:floor_tenant`` its name, ``:demand`` hash tenant →
+``demand:time`` (its recent demand as of that time).
 """
 
 from __future__ import annotations
@@ -40,10 +52,13 @@ from core.errors import CapacityExceeded
 from scheduler.tenants import TenantConfig
 
 TIE = 1e-3  # tokens: how far above the next waiter's counter a joining tenant with more service is put
-CREDIT_FILL_S = 1.0  # seconds without an admission or a wait that earn a tenant the whole burst credit
+# Recent demand halves in this time: "asked for less recently" compares the last several seconds of
+# requests, long enough that a steady flood's demand stays above a light tenant's between its requests,
+# short enough that the last minute's traffic does not decide this second's bursts.
+DEMAND_HALF_LIFE_S = 5.0
 
 # ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
-_LIB = f"local TIE = {TIE!r}\nlocal CREDIT_FILL_S = {CREDIT_FILL_S!r}\n" + """
+_LIB = f"local TIE = {TIE!r}\nlocal HALF_LIFE = {DEMAND_HALF_LIFE_S!r}\n" + """
 local base = ARGV[1]
 -- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
 local function num(x) return string.format('%.17g', x) end
@@ -56,7 +71,20 @@ end
 local function deactivate(tenant)
   redis.call('ZREM', base .. 'active', tenant)
   redis.call('SET', base .. 'floor', redis.call('HGET', base .. 'vtc', tenant) or '0')
-  redis.call('HSET', base .. 'idle', tenant, num(now))  -- earns credit from now on
+  redis.call('SET', base .. 'floor_tenant', tenant)
+end
+
+-- A tenant's recent demand (tokens / weight, decayed by the half-life) now; nil if it never asked.
+local function demand(tenant)
+  local rec = redis.call('HGET', base .. 'demand', tenant)
+  if not rec then return nil end
+  local sep = string.find(rec, ':', 1, true)
+  local age = math.max(0, now - tonumber(string.sub(rec, sep + 1)))
+  return tonumber(string.sub(rec, 1, sep - 1)) * 2 ^ (-age / HALF_LIFE)
+end
+
+local function add_demand(tenant, amount)
+  redis.call('HSET', base .. 'demand', tenant, num((demand(tenant) or 0) + amount) .. ':' .. num(now))
 end
 
 -- Takes an entry out of every structure; a tenant whose queue empties stops being active.
@@ -105,22 +133,18 @@ if mine >= tonumber(ARGV[8]) then
 end
 if not redis.call('ZSCORE', base .. 'active', tenant) then
   -- Becoming active. The values stay Redis's own text where no arithmetic is needed, so that no
-  -- precision is lost on the way through Lua. Credit is earned by idle time: CREDIT_FILL_S seconds
-  -- since the tenant's last admission or wait fill it to the burst credit; a tenant never seen has none.
+  -- precision is lost on the way through Lua. The reference: the next waiter's counter, or with nobody
+  -- waiting the counter of the last tenant that left. A joiner is put within [ref - cap, ref + cap]:
+  -- lifted if it lags, lowered if ahead; then moved down by the whole credit if it asked for less
+  -- recently than the reference tenant (its own new request not counted yet). With others waiting it is never level with the next waiter: a
+  -- tie goes to the joiner if it lags, to the waiter otherwise.
   local cap = tonumber(ARGV[10])
-  local last = redis.call('HGET', base .. 'idle', tenant)
-  local credit = 0
-  if last then credit = math.min(cap, cap * math.max(0, now - tonumber(last)) / CREDIT_FILL_S) end
-  local own = tonumber(redis.call('HGET', base .. 'vtc', tenant) or '0')
   local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
-  -- The reference: the next waiter's counter, or with nobody waiting the counter of the last tenant
-  -- that left. A joiner is put within [ref - credit, ref + burst credit]: lifted if it lags (idle time
-  -- earns no more than the credit), lowered if ahead (what it was served while nobody else waited is a
-  -- debt of at most a burst's worth, so it is not starved for long), then moved down by the credit it
-  -- earned (a light tenant's burst after an idle spell goes first). With others waiting it is never
-  -- level with the next waiter: a tie goes to the joiner if it lags, to the waiter otherwise — so a
-  -- heavy tenant that keeps leaving and rejoining (never idle, no credit) neither overtakes a light
-  -- one's waiting request each time nor has what it was served beyond the burst credit forgotten.
+  local ref_tenant = top[1] or redis.call('GET', base .. 'floor_tenant')
+  local credit = 0
+  local mine = demand(tenant)
+  if mine and ref_tenant and ref_tenant ~= tenant and mine < (demand(ref_tenant) or 0) then credit = cap end
+  local own = tonumber(redis.call('HGET', base .. 'vtc', tenant) or '0')
   local ref = tonumber(top[2] or redis.call('GET', base .. 'floor') or '0')
   local counter
   if own < ref then
@@ -134,6 +158,7 @@ if not redis.call('ZSCORE', base .. 'active', tenant) then
   redis.call('ZADD', base .. 'active', counter, tenant)
 end
 redis.call('HSET', base .. 'weights', tenant, ARGV[7])
+add_demand(tenant, tonumber(ARGV[5]) / tonumber(ARGV[7]))
 local entry = cjson.encode({id = id, tenant = tenant, cost = tonumber(ARGV[5]), enqueued = num(now),
                             deadline = num(now + tonumber(ARGV[6]))})
 redis.call('ZADD', q, redis.call('INCR', base .. 'seq'), id)
@@ -177,9 +202,8 @@ end
 # ARGV: base, now, tenant, tokens / weight
 _CHARGE = _LIB + """
 local counter = redis.call('HINCRBYFLOAT', base .. 'vtc', ARGV[3], ARGV[4])
-if not redis.call('ZSCORE', base .. 'active', ARGV[3]) then
-  redis.call('HSET', base .. 'idle', ARGV[3], num(now))  -- admitted without waiting: its credit starts again
-end
+-- An admission that did not wait is demand too (a negative correction is not).
+if tonumber(ARGV[4]) > 0 then add_demand(ARGV[3], tonumber(ARGV[4])) end
 if redis.call('ZSCORE', base .. 'active', ARGV[3]) then
   redis.call('ZADD', base .. 'active', counter, ARGV[3])
 end

@@ -71,7 +71,7 @@ class ClusterSchedulerConfig:
     max_prefill_queue: int = 1  # see scheduler.placement: admission limits
     max_decode_queue: int = 8
     local_when_prefill_full: bool = False
-    burst_credit_tokens: float = 512.0  # fair queue: credit a tenant may bank while idle (scheduler.fairness)
+    burst_credit_tokens: float = 512.0  # fair queue: a light tenant's burst allowance, and the debt bound (scheduler.fairness)
 
 
 STALLED_POLLS = 25  # a waiter that sees room this many polls in a row without its turn hands the turn on
@@ -551,10 +551,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     # ------------------------------------------------------------------ background
     async def reap_forever(self) -> None:
         """Expires overdue leases (each exactly once across replicas) and tells the prefill worker to
-        free them; sweeps workers whose heartbeats stopped. Survives Redis outages."""
+        free them; sweeps workers whose heartbeats stopped; charges the admissions that did not wait (so
+        the fair queue's demand is never older than this). Survives Redis outages."""
         while True:
             try:
                 await self.ensure_default_tenant()
+                await self._flush_charges()
                 for lease in await self.leases.expire_due():
                     await self._free_on_worker(lease.prefill_worker, lease.request_id)
                 await self.registry.sweep()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from redis_runner import Clock, run
 
 from core.errors import CapacityExceeded
-from scheduler.fairness import CREDIT_FILL_S, TIE, FairQueue, QueuedRequest
+from scheduler.fairness import DEMAND_HALF_LIFE_S, TIE, FairQueue, QueuedRequest
 from scheduler.tenants import TenantConfig
 
 pytestmark = pytest.mark.unit
@@ -80,58 +80,88 @@ def test_service_while_nobody_waited_is_no_debt_later(url: str) -> None:
 
 def test_a_heavy_tenant_that_comes_and_goes_never_overtakes_a_waiting_light_one(url: str) -> None:
     """The flood pattern: the heavy tenant's requests each leave the queue (placed) before its next one
-    arrives, so it keeps re-joining while a light tenant's request waits. Each time it joins it must
-    line up after that request — keeping a burst's credit of its surplus, not forgiven it — and a light
-    burst after an idle second goes before it."""
+    arrives, so it keeps re-joining while a light tenant's request waits — sometimes just after an
+    admission that did not wait, sometimes after a second with nothing of its own waiting (its queue
+    empties now and then although it never stops sending). Each time it joins it must line up after
+    the light request, keeping a burst's credit of its surplus, not forgiven it; and a light burst goes
+    before it."""
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=512)
         await q.charge(B, 50_000)  # b, the flood, has had far more service than a
-        for i in range(3):
+        for i in range(4):
             clock.now += 1.0  # a sends about one request a second
             await q.enqueue(A, f"a{i}", 96, 60)  # a light tenant's request waits alone
-            await q.charge(B, 96)  # the flood was admitted without waiting just now (it never idles)...
-            await q.enqueue(B, f"b{i}", 96, 60)  # ...and joins while a's request waits
+            if i % 2 == 0:
+                await q.charge(B, 96)  # the flood was admitted without waiting just now...
+            await q.enqueue(B, f"b{i}", 96, 60)  # ...or not; either way it joins while a's request waits
             assert await q.counter("b") == pytest.approx(await q.counter("a") + 512)
             assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(2)] == [f"a{i}", f"b{i}"]
-        await q.enqueue(B, "b3", 96, 60)  # b waits alone now...
-        clock.now += 1.0
-        for i in range(3, 7):
-            await q.enqueue(A, f"a{i}", 96, 60)  # ...and a light burst arrives after an idle second
-        assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(5)] == ["a3", "a4", "a5", "a6", "b3"]
+        await q.enqueue(B, "b4", 96, 60)  # b waits alone now...
+        clock.now += 0.2
+        for i in range(4, 8):
+            await q.enqueue(A, f"a{i}", 96, 60)  # ...and a light burst arrives
+        assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(5)] == ["a4", "a5", "a6", "a7", "b4"]
 
     run(url, body)
 
 
-def test_credit_is_earned_by_idle_time_and_a_new_tenant_has_none(url: str) -> None:
-    """A tenant that waited or was admitted just now, or was never seen, joins a hair below the next
-    waiter (plain VTC); one idle for CREDIT_FILL_S joins the whole burst credit below it."""
+def test_credit_goes_to_a_tenant_that_asked_for_less_recently_than_the_next_waiter(url: str) -> None:
+    """A tenant whose recent demand (tokens it sent, halving every DEMAND_HALF_LIFE_S) is below the next
+    waiter's joins up to the whole burst credit below it; one that asked for more recently joins a hair
+    below it (plain VTC's lift), even if its counter lags; a tenant that never sent a request has no
+    record and no credit."""
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=300)
-        for i in range(10):
+        for i in range(12):
             await q.enqueue(B, f"b{i}", 100, 60)
-        for _ in range(5):
-            await q.pop_next()  # b: 500
-        await q.enqueue(C, "c0", 10, 60)  # never seen: no credit
-        assert await q.counter("c") == pytest.approx(500 - TIE)
-        await q.charge(A, 0)  # a was admitted just now (without waiting)
-        clock.now += CREDIT_FILL_S / 2
-        await q.enqueue(A, "a0", 10, 60)  # idle half the fill time: half the credit
-        assert await q.counter("a") == pytest.approx(500 - TIE - 150)  # below c, the next waiter
+        for _ in range(10):
+            await q.pop_next()  # b: counter 1000, recent demand 1200 (its twelve requests)
+        await q.charge(A, 100)  # a was admitted without waiting: counter 100, recent demand 100
+        await q.enqueue(A, "a0", 10, 60)
+        assert await q.counter("a") == pytest.approx(1000 - 300)  # lifted, less the credit
+        await q.remove("a0")
+        clock.now += 3 * DEMAND_HALF_LIFE_S  # b's recent demand is 150 now, a's 13.75...
+        await q.charge(A, 200)  # ...and a is admitted for 200: its counter (900) lags b's, its demand does not
+        await q.enqueue(A, "a1", 10, 60)
+        assert await q.counter("a") == pytest.approx(1000 - TIE)
+        await q.enqueue(C, "c0", 10, 60)  # never sent a request: no credit against a, the next waiter
+        assert await q.counter("c") == pytest.approx(1000 - 2 * TIE)
 
     run(url, body)
+
+def test_a_flood_that_just_began_does_not_take_a_light_tenants_turns(url: str) -> None:
+    """A light tenant had the cluster to itself (much service, little demand); a flood begins and has
+    been served little so far. Demand, not service, decides the credit: the light tenant's next request
+    goes after at most the flood's next one, not behind a burst credit's worth of them."""
+    async def body(r: aioredis.Redis) -> None:
+        clock = Clock()
+        q = FairQueue(r, clock=clock, burst_credit_tokens=512)
+        for _ in range(30):  # a: one 80-token request a second for half a minute, each admitted at once
+            await q.charge(A, 80)
+            clock.now += 1.0
+        for i in range(10):  # b: ten requests in half a second
+            await q.enqueue(B, f"b{i}", 80, 60)
+            clock.now += 0.05
+        for _ in range(3):
+            await q.pop_next()  # b has been served 240 tokens, a 2400
+        await q.enqueue(A, "a0", 80, 60)
+        assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(2)] == ["b3", "a0"]
+
+    run(url, body)
+
 
 def test_a_light_tenants_short_burst_goes_before_a_backlogged_one(url: str) -> None:
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=200)
-        await q.charge(A, 0)  # a was admitted once, then idles
+        await q.charge(A, 10)  # a was admitted once, then idles
         for i in range(40):
             await q.enqueue(B, f"b{i}", 50, 60)
         for _ in range(20):
             await q.pop_next()  # b was served 1000 tokens while a was idle
-        clock.now += CREDIT_FILL_S
+        clock.now += 1.0
         for i in range(5):
             await q.enqueue(A, f"a{i}", 50, 60)  # a joins at most 200 tokens below b
         assert await q.counter("a") == pytest.approx(await q.counter("b") - 200)
