@@ -5,7 +5,9 @@ and one decode worker (pinned to a core each) and the gateway — with two tenan
 each with its own API key. The quiet tenant sends short chat requests as a Poisson stream at
 ``quiet_rate``; the flooding tenant sends the same kind of requests ``flood_factor`` times as fast,
 far beyond what the decode worker can serve. We measure the quiet tenant's TTFT (client side, request
-sent → first token) alone, then under the flood, and report what happened to the flood's requests.
+sent → first token) alone and under the flood, in alternating blocks (alone, flood, alone, flood …)
+with the same quiet arrivals in both halves of a round, so that a slow spell of this shared machine
+falls on both sides of the ratio rather than on one; and report what happened to the flood's requests.
 
 ``python -m benchmarks.tenancy_bench --log-dir D`` keeps every process's log and ``D/traces.json`` (each
 request's client TTFT and the gateway's queue time).
@@ -46,7 +48,8 @@ KEYS = {"quiet": "bench-quiet-key", "flood": "bench-flood-key"}
 class TenancyPlan:
     quiet_rate: float = 1.0  # requests/s, Poisson
     flood_factor: float = 10.0  # the flooding tenant's rate ÷ the quiet one's
-    duration_s: float = 80.0  # of each phase's arrivals (about 70 quiet requests: p95 is their 4th slowest)
+    duration_s: float = 40.0  # of each block's arrivals
+    rounds: int = 2  # blocks per side (about 75 quiet requests each: p95 is their 4th slowest)
     prompt_lens: tuple[int, int] = (32, 64)  # drawn per request, inclusive
     output_len: int = 32
     seed: int = 0
@@ -57,7 +60,7 @@ class TenancyPlan:
     prefill_flags: tuple[str, ...] = ()  # extra flags of the prefill worker
 
     def quick(self) -> TenancyPlan:
-        return replace(self, quiet_rate=2.0, duration_s=3.0, output_len=8)
+        return replace(self, quiet_rate=2.0, duration_s=3.0, output_len=8, rounds=1)
 
 
 @dataclass(slots=True)
@@ -86,9 +89,22 @@ class PhaseResult:
                 [t.server_ttft_ms - t.server_queue_ms for t in ok
                  if t.server_ttft_ms is not None and t.server_queue_ms is not None])
 
+    def itls_ms(self, tenant: str) -> list[float]:
+        return [g * 1e3 for t in self.traces.get(tenant, []) if t.error is None for g in t.gaps_s()]
+
     def tokens_per_s(self, tenant: str) -> float:
         n = sum(len(t.token_ids) for t in self.traces.get(tenant, []) if t.error is None)
         return n / self.wall_s if self.wall_s > 0 else 0.0
+
+    def add(self, other: PhaseResult) -> None:
+        """Pools another block of the same side into this one."""
+        total = self.wall_s + other.wall_s
+        for name in set(self.cpu_pct) | set(other.cpu_pct):
+            self.cpu_pct[name] = ((self.cpu_pct.get(name, 0.0) * self.wall_s + other.cpu_pct.get(name, 0.0)
+                                   * other.wall_s) / total) if total > 0 else 0.0
+        for tenant, ts in other.traces.items():
+            self.traces.setdefault(tenant, []).extend(ts)
+        self.wall_s = total
 
 
 def arrivals(plan: TenancyPlan, rate: float, seed: int, vocab_size: int, tag: str,
@@ -236,18 +252,22 @@ def run_section(quick: bool, command: str, threads: int | None = None, log: Call
     vocab = int(json.loads((prepare_default_model() / "config.json").read_text())["vocab_size"])
     cores = tuple(sorted(os.sched_getaffinity(0))[:2])
     machine = MachineInfo.probe(num_threads=plan.threads)
-    quiet = arrivals(plan, plan.quiet_rate, plan.seed, vocab, "quiet")
-    # The quiet tenant sends the same stream (times and sizes) both times, with other prompts.
-    quiet_again = arrivals(plan, plan.quiet_rate, plan.seed, vocab, "quiet", token_seed=plan.seed + 1)
-    flood = arrivals(plan, plan.quiet_rate * plan.flood_factor, plan.seed + 2, vocab, "flood")
+    solo, flooded = PhaseResult(), PhaseResult()
     with tempfile.TemporaryDirectory(prefix="baton-bench-tenancy-") as tmp, \
             cluster(plan, cores, log_dir or Path(tmp), log) as (address, commands, pids):
         warm = arrivals(replace(plan, duration_s=2.0), 2.0, plan.seed + 3, vocab, "quiet")
         asyncio.run(run_phase(address, {"quiet": warm}, "warm"))
-        log(f"[tenancy] solo: {len(quiet)} quiet requests")
-        solo = asyncio.run(run_phase(address, {"quiet": quiet}, "solo", pids))
-        log(f"[tenancy] flood: {len(quiet_again)} quiet and {len(flood)} flooding requests")
-        flooded = asyncio.run(run_phase(address, {"quiet": quiet_again, "flood": flood}, "flood", pids))
+        for k in range(plan.rounds):
+            seed = plan.seed + 10 * k
+            # The quiet tenant sends the same stream (times and sizes) on both sides, with other prompts.
+            quiet, quiet_again, flood = ([replace(x, name=f"{x.name}.r{k}") for x in stream] for stream in (
+                arrivals(plan, plan.quiet_rate, seed, vocab, "quiet"),
+                arrivals(plan, plan.quiet_rate, seed, vocab, "quiet", token_seed=seed + 1),
+                arrivals(plan, plan.quiet_rate * plan.flood_factor, seed + 2, vocab, "flood")))
+            log(f"[tenancy] round {k + 1}/{plan.rounds}: {len(quiet)} quiet requests alone")
+            solo.add(asyncio.run(run_phase(address, {"quiet": quiet}, f"solo{k}", pids)))
+            log(f"[tenancy] round {k + 1}/{plan.rounds}: {len(quiet_again)} quiet and {len(flood)} flooding requests")
+            flooded.add(asyncio.run(run_phase(address, {"quiet": quiet_again, "flood": flood}, f"flood{k}", pids)))
     if log_dir is not None:
         (log_dir / "traces.json").write_text(json.dumps({
             phase: {tenant: [{"name": t.name, "sent": t.sent_at, "ttft_ms": None if t.ttft_s is None else t.ttft_s * 1e3,
@@ -271,9 +291,9 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
     flood_ok = flooded.ttfts_ms("flood")
     errs = flooded.errors("flood")
     rows = [
-        ("quiet alone", s, solo.errors("quiet"), solo.tokens_per_s("quiet")),
-        ("quiet, under the flood", f, flooded.errors("quiet"), flooded.tokens_per_s("quiet")),
-        ("flooding tenant", flood_ok, errs, flooded.tokens_per_s("flood")),
+        ("quiet alone", s, solo.itls_ms("quiet"), solo.errors("quiet"), solo.tokens_per_s("quiet")),
+        ("quiet, under the flood", f, flooded.itls_ms("quiet"), flooded.errors("quiet"), flooded.tokens_per_s("quiet")),
+        ("flooding tenant", flood_ok, flooded.itls_ms("flood"), errs, flooded.tokens_per_s("flood")),
     ]
     lines = [
         "## Tenancy: a flooding tenant next to a quiet one",
@@ -284,19 +304,21 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
         f"with the same quotas ({plan.max_concurrent} requests in flight each, the other limits at their defaults) and their own API keys. The quiet tenant sends {plan.quiet_rate:g} "
         f"request/s (Poisson), the flooding one {plan.quiet_rate * plan.flood_factor:g}/s "
         f"({plan.flood_factor:g}×), each request a {plan.prompt_lens[0]}–{plan.prompt_lens[1]}-token prompt "
-        f"and {plan.output_len} greedy output tokens, for {plan.duration_s:g} s; the quiet tenant first "
-        "alone, then the same arrivals and sizes (other prompts) under the flood. TTFT is client side "
-        "(request sent → first token).",
+        f"and {plan.output_len} greedy output tokens. {plan.rounds} round{'s' if plan.rounds > 1 else ''} of "
+        f"{plan.duration_s:g} s of arrivals with the quiet tenant alone, then {plan.duration_s:g} s with the same "
+        "quiet arrivals and sizes (other prompts) under the flood; each side's rounds pooled, so that a slow "
+        "spell of the machine falls on both sides. TTFT is client side (request sent → first token).",
         "",
-        "| who | requests | ok | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | errors | output tok/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| who | requests | ok | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | ITL p50 / p95 ms | errors | output tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     sent = {"quiet alone": len(solo.traces.get("quiet", [])), "quiet, under the flood":
             len(flooded.traces.get("quiet", [])), "flooding tenant": len(flood_traces)}
-    for name, ttfts, e, tps in rows:
+    for name, ttfts, itls, e, tps in rows:
         err = ", ".join(f"{k} {v}" for k, v in sorted(e.items())) or "none"
         lines.append(f"| {name} | {sent[name]} | {len(ttfts)} | {_ms(percentile(ttfts, 50))} | "
-                     f"{_ms(percentile(ttfts, 95))} | {_ms(percentile(ttfts, 99))} | {err} | {tps:.1f} |")
+                     f"{_ms(percentile(ttfts, 95))} | {_ms(percentile(ttfts, 99))} | "
+                     f"{_ms(percentile(itls, 50))} / {_ms(percentile(itls, 95))} | {err} | {tps:.1f} |")
     (qa, ra), (qf, rf) = solo.split_ms("quiet"), flooded.split_ms("quiet")
     if qa and qf:
         lines += ["", "Where the quiet tenant's TTFT goes (the gateway's timings, p50 / p95 ms): waiting for "

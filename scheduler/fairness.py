@@ -36,7 +36,7 @@ built inside the scripts, which is allowed because they share the tag):
 ``:q:<tenant>`` zset id → arrival sequence (FIFO), ``:seq`` the sequence, ``:active`` zset waiting
 tenant → counter, ``:vtc`` hash tenant → counter, ``:weights`` hash tenant → weight, ``:floor`` the
 counter of the last tenant that stopped waiting and ``:floor_tenant`` its name, ``:demand`` hash tenant →
-``demand:time`` (its recent demand as of that time).
+``sum:time:since`` (its decayed demand as of that time, and when its history began).
 """
 
 from __future__ import annotations
@@ -56,9 +56,13 @@ TIE = 1e-3  # tokens: how far above the next waiter's counter a joining tenant w
 # requests, long enough that a steady flood's demand stays above a light tenant's between its requests,
 # short enough that the last minute's traffic does not decide this second's bursts.
 DEMAND_HALF_LIFE_S = 5.0
+DEMAND_MIN_WINDOW_S = 1.0  # a young history's demand is a rate over at least this long
+DEMAND_RESTART = 0.125  # a history whose decayed sum is below this share of a new request starts again
+LIGHT_SHARE = 0.5  # `is_light`: a tenant asking for less than this share of another waiting tenant's demand
 
 # ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
-_LIB = f"local TIE = {TIE!r}\nlocal HALF_LIFE = {DEMAND_HALF_LIFE_S!r}\n" + """
+_LIB = (f"local TIE = {TIE!r}\nlocal HALF_LIFE = {DEMAND_HALF_LIFE_S!r}\n"
+        f"local MIN_WINDOW = {DEMAND_MIN_WINDOW_S!r}\nlocal RESTART = {DEMAND_RESTART!r}\n") + """
 local base = ARGV[1]
 -- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
 local function num(x) return string.format('%.17g', x) end
@@ -74,17 +78,27 @@ local function deactivate(tenant)
   redis.call('SET', base .. 'floor_tenant', tenant)
 end
 
--- A tenant's recent demand (tokens / weight, decayed by the half-life) now; nil if it never asked.
+-- A tenant's recent demand now: tokens / weight asked for, decayed by the half-life, and divided by
+-- the share of a full window its history covers, at least MIN_WINDOW's (an exponentially weighted sum
+-- started at zero reads low for a young history: a flood that began a moment ago is not a light
+-- tenant). Returns nil if it never asked; else the demand, the decayed sum and when its history began.
 local function demand(tenant)
   local rec = redis.call('HGET', base .. 'demand', tenant)
   if not rec then return nil end
-  local sep = string.find(rec, ':', 1, true)
-  local age = math.max(0, now - tonumber(string.sub(rec, sep + 1)))
-  return tonumber(string.sub(rec, 1, sep - 1)) * 2 ^ (-age / HALF_LIFE)
+  local a = string.find(rec, ':', 1, true)
+  local b = string.find(rec, ':', a + 1, true)
+  local at, since = tonumber(string.sub(rec, a + 1, b - 1)), tonumber(string.sub(rec, b + 1))
+  local sum = tonumber(string.sub(rec, 1, a - 1)) * 2 ^ (-math.max(0, now - at) / HALF_LIFE)
+  local covered = 1 - 2 ^ (-math.max(MIN_WINDOW, now - since) / HALF_LIFE)
+  return sum / covered, sum, since
 end
 
+-- A history whose decayed sum fell below RESTART of the new request's amount (about three half-lives
+-- of silence) starts again: a tenant back after a long silence is judged on what it asks for now.
 local function add_demand(tenant, amount)
-  redis.call('HSET', base .. 'demand', tenant, num((demand(tenant) or 0) + amount) .. ':' .. num(now))
+  local _, sum, since = demand(tenant)
+  if not sum or sum < RESTART * amount then sum, since = 0, now end
+  redis.call('HSET', base .. 'demand', tenant, num(sum + amount) .. ':' .. num(now) .. ':' .. num(since))
 end
 
 -- Takes an entry out of every structure; a tenant whose queue empties stops being active.
@@ -210,6 +224,18 @@ end
 return counter
 """
 
+# ARGV: base, now, tenant, share. Light: another waiting tenant (of the first 16 in the fair order), or the
+# last one that stopped waiting, asked for more than its demand / share recently.
+_LIGHT = _LIB + """
+local mine = demand(ARGV[3]) or 0
+local others = redis.call('ZRANGE', base .. 'active', 0, 15)
+table.insert(others, redis.call('GET', base .. 'floor_tenant') or ARGV[3])
+for _, other in ipairs(others) do
+  if other ~= ARGV[3] and mine < tonumber(ARGV[4]) * (demand(other) or 0) then return 1 end
+end
+return 0
+"""
+
 # ARGV: base, now, id
 _REMOVE = _LIB + """
 return drop(ARGV[3]) or false
@@ -269,6 +295,7 @@ class FairQueue:
         self._pop = client.register_script(_POP)
         self._charge = client.register_script(_CHARGE)
         self._remove = client.register_script(_REMOVE)
+        self._light = client.register_script(_LIGHT)
         self._reap = client.register_script(_REAP)
 
     def _args(self, *args: str | int | float) -> list[str | int | float]:
@@ -316,6 +343,11 @@ class FairQueue:
         weighted = repr(tokens / tenant.weight)
         counter = await self._charge(keys=self._keys, args=self._args(tenant.name, weighted))
         return float(counter)
+
+    async def is_light(self, tenant: str) -> bool:
+        """Whether ``tenant`` asked for less than ``LIGHT_SHARE`` of another waiting tenant's recent
+        demand: a light tenant next to a heavy one (scheduler.placement: latency isolation)."""
+        return bool(await self._light(keys=self._keys, args=self._args(tenant, repr(LIGHT_SHARE))))
 
     async def remove(self, request_id: str) -> QueuedRequest | None:
         """Take a waiting request out (cancelled, or its waiter gave up); None if it is not waiting."""

@@ -15,13 +15,23 @@ The cost of a decode worker (lower is better; every term is a fraction, so they 
 A prefill worker is chosen by the same idea: fewest queued prompts, most leading blocks cached.
 The prefill pool is skipped (the decode worker prefills locally, chunked among its decodes) when
 what is left to compute on D is short — under ``local_prefill_threshold`` tokens — or when no
-prefill worker is healthy.
+prefill worker is healthy; and, when every prefill worker is busy, for a *light* tenant's prompt of at
+most ``light_local_max_tokens`` tokens (see below).
 
 Admission limits: a worker's own queue is first come, first served, so work queued there escapes the
 scheduler's tenant-fair queue. A decode worker with ``max_decode_queue`` requests waiting or pulling,
 or a prefill worker with ``max_prefill_queue`` prompts accepted and not yet prefilled, takes no more:
 the request waits in the fair queue instead (`NoCapacity`), where the tenant that was served least
 goes first. Small prefill queues keep a quiet tenant's prompt from waiting behind a flood of others.
+
+Latency isolation: a prompt on a prefill worker cannot be interrupted — its step is one pass over the
+weights, and cutting it into chunks costs a pass per chunk (docs/SCHEDULER.md has the figures) — so
+even first in the fair order a quiet tenant's prompt would wait for the rest of a heavy tenant's
+prefill. A request the scheduler calls *light* (its tenant asked for less than half as much recently as
+another waiting tenant: `FairQueue.is_light`) prefills on its decode worker instead when every prefill
+worker is busy; the decode worker takes the short prompt into its next step along with its decodes.
+The heavy tenants pay for it with one longer decode step each time; their own prompts still wait for
+the prefill pool.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ class PlacementPolicy:
     max_prefill_queue: int = 1
     max_decode_queue: int = 8  # requests a decode worker holds waiting or pulling before it is full
     local_when_prefill_full: bool = False  # every prefill queue full: prefill on D instead of waiting
+    light_local_max_tokens: int = 256  # ...and so for a light tenant's prompt up to this long (0 = never)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +112,10 @@ class Placer:
         max_tokens: int,
         block_size: int,
         exclude: Collection[str] = (),
+        light: bool = False,
     ) -> Placement:
+        """``light``: the request's tenant is light (module docstring): with every prefill worker busy it
+        prefills on the decode worker rather than wait."""
         num_prompt_blocks = num_prompt_tokens // block_size  # full blocks: the ones a cache can hold
         num_blocks_needed = -(-(num_prompt_tokens + min(max_tokens, block_size)) // block_size)
         best: tuple[float, str, Candidate] | None = None
@@ -120,7 +134,7 @@ class Placer:
             return Placement(None, decode, best[0])
         open_ = [c for c in prefills if c.running + c.waiting < self.policy.max_prefill_queue]
         if not open_:
-            if self.policy.local_when_prefill_full:
+            if self.policy.local_when_prefill_full or (light and left_on_decode <= self.policy.light_local_max_tokens):
                 return Placement(None, decode, best[0])  # conditional disaggregation: prefill on D
             raise NoCapacity("every prefill worker's queue is full")
         prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))

@@ -137,10 +137,13 @@ def add_scheduler_parser(sub: Any) -> None:
     p.add_argument("--max-decode-queue", type=int, default=d["max_decode_queue"],
                    help="requests a decode worker holds waiting or pulling before requests wait here")
     p.add_argument("--burst-credit-tokens", type=float, default=d["burst_credit_tokens"],
-                   help="fair queue: tokens a tenant served less recently than the next waiter may go ahead "
-                        "by, and the most debt one served while nobody waited keeps (0 = plain VTC)")
+                   help="fair queue: tokens a tenant that asked for less recently than the next waiter may go "
+                        "ahead by, and the most debt one served while nobody waited keeps (0 = plain VTC)")
     p.add_argument("--local-when-prefill-full", action="store_true",
                    help="every prefill worker's queue full: prefill on the decode worker instead of waiting")
+    p.add_argument("--light-local-max-tokens", type=int, default=d["light_local_max_tokens"],
+                   help="every prefill worker busy: a light tenant's prompt up to this long prefills on the "
+                        "decode worker rather than wait for a heavier tenant's prefill (0 = never)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)")
     p.add_argument("--metrics-max-tenants", type=int, default=metrics.DEFAULT_MAX_TENANTS,

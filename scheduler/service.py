@@ -71,6 +71,7 @@ class ClusterSchedulerConfig:
     max_prefill_queue: int = 1  # see scheduler.placement: admission limits
     max_decode_queue: int = 8
     local_when_prefill_full: bool = False
+    light_local_max_tokens: int = 256  # a light tenant's prompt up to this long may prefill on D (0 = never)
     burst_credit_tokens: float = 512.0  # fair queue: a light tenant's burst allowance, and the debt bound (scheduler.fairness)
 
 
@@ -128,7 +129,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold,
                                              max_prefill_queue=config.max_prefill_queue,
                                              max_decode_queue=config.max_decode_queue,
-                                             local_when_prefill_full=config.local_when_prefill_full))
+                                             local_when_prefill_full=config.local_when_prefill_full,
+                                             light_local_max_tokens=config.light_local_max_tokens))
         self._client = client
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
@@ -294,8 +296,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         of this replica looks (one lock), so one free slot is never given twice here."""
         exclude = set(request.exclude_workers)
 
-        def place(pools: tuple[list[Candidate], list[Candidate]]) -> Placement:
-            return self.placer.place(*pools, num_prompt_tokens, request.max_tokens, block_size, exclude)
+        def place(pools: tuple[list[Candidate], list[Candidate]], light: bool = False) -> Placement:
+            return self.placer.place(*pools, num_prompt_tokens, request.max_tokens, block_size, exclude, light)
 
         why = "others are waiting"
         if not self._waiting_here:  # with others waiting, a newcomer queues too: the fair order decides
@@ -320,12 +322,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         stalled = 0  # polls in a row that saw room while another request was next
         self._waiting_here += 1
         try:
+            # A light tenant's prompt need not wait for a heavier one's prefill (scheduler.placement).
+            light = self.placer.policy.light_local_max_tokens > 0 and await self.queue.is_light(tenant.name)
+            look_now = light  # it may find its room at once, on the decode worker
             while time.monotonic() < deadline:
-                with contextlib.suppress(asyncio.TimeoutError):  # a load change here, or the poll
-                    await asyncio.wait_for(self._load_changed.wait(), self.config.queue_poll_s)
+                if not look_now:
+                    with contextlib.suppress(asyncio.TimeoutError):  # a load change here, or the poll
+                        await asyncio.wait_for(self._load_changed.wait(), self.config.queue_poll_s)
+                look_now = False
                 async with self._claim:  # the load read inside: it must include the last waiter's claim
                     try:
-                        placement = place(await self._pools(model, version, chain))
+                        placement = place(await self._pools(model, version, chain), light)
                     except NoCapacity:
                         continue
                     await self._flush_charges()

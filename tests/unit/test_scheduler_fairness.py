@@ -152,6 +152,38 @@ def test_a_flood_that_just_began_does_not_take_a_light_tenants_turns(url: str) -
     run(url, body)
 
 
+def test_light_means_asking_for_less_than_half_of_another_waiting_tenants_demand(url: str) -> None:
+    """`is_light`: demand is a rate — a flood a moment old is heavy at once, a light tenant's history
+    keeps it light, comparable tenants are not light, and a tenant back after a long silence starts a
+    new history."""
+    async def body(r: aioredis.Redis) -> None:
+        clock = Clock()
+        q = FairQueue(r, clock=clock, burst_credit_tokens=512)
+        for _ in range(30):  # a: one 80-token request a second
+            await q.charge(A, 80)
+            clock.now += 1.0
+        assert not await q.is_light("a")  # nobody else asks for anything
+        for i in range(3):  # b begins: three requests in 0.3 s (a decayed sum below a's)
+            await q.enqueue(B, f"b{i}", 80, 60)
+            clock.now += 0.1
+        assert await q.is_light("a") and not await q.is_light("b")
+        for i in range(3):
+            await q.pop_next()  # b stops waiting: it is compared as the last tenant that left
+        assert await q.is_light("a")
+        for _ in range(40):  # b keeps asking at the same rate as a for 40 s: neither is light
+            await q.charge(A, 80)
+            await q.charge(B, 80)
+            clock.now += 1.0
+        assert not await q.is_light("a") and not await q.is_light("b")
+        clock.now += 60.0  # both fall silent; b returns with a burst, a with one request
+        await q.charge(A, 80)
+        for i in range(3, 6):
+            await q.enqueue(B, f"b{i}", 80, 60)
+        assert await q.is_light("a") and not await q.is_light("b")
+
+    run(url, body)
+
+
 def test_a_light_tenants_short_burst_goes_before_a_backlogged_one(url: str) -> None:
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()

@@ -81,6 +81,21 @@ def test_full_worker_queues_send_the_request_to_the_fair_queue_instead() -> None
         placer.place([queued_d], [], 20, 8, BS)
 
 
+def test_a_light_tenants_short_prompt_prefills_on_the_decode_worker_when_the_prefill_pool_is_busy() -> None:
+    placer = Placer(PlacementPolicy(light_local_max_tokens=256))
+    d, busy_p = worker("d:1"), worker("p:1", running=1, role="prefill")
+    with pytest.raises(NoCapacity, match="prefill"):
+        placer.place([d], [busy_p], 200, 8, BS)  # not light: it waits for the prefill worker
+    local = placer.place([d], [busy_p], 200, 8, BS, light=True)
+    assert local.prefill is None and local.decode == d  # light: prefilled on D with its decodes
+    with pytest.raises(NoCapacity, match="prefill"):
+        placer.place([d], [busy_p], 300, 8, BS, light=True)  # longer than light_local_max_tokens
+    assert placer.place([d], [worker("p:2", role="prefill")], 200, 8, BS, light=True).prefill is not None
+    off = Placer(PlacementPolicy(light_local_max_tokens=0))
+    with pytest.raises(NoCapacity, match="prefill"):
+        off.place([d], [busy_p], 200, 8, BS, light=True)
+
+
 def test_version_choice_follows_weights_and_is_sticky() -> None:
     weights = {"v1": 0.9, "v2": 0.1}
     picks = Counter(choose_version(weights, f"req-{i}", {"v1", "v2"}) for i in range(5000))
