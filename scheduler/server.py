@@ -143,7 +143,7 @@ def add_scheduler_parser(sub: Any) -> None:
                    help="every prefill worker's queue full: prefill on the decode worker instead of waiting")
     p.add_argument("--light-local-max-tokens", type=int, default=d["light_local_max_tokens"],
                    help="every prefill worker busy: a light tenant's prompt up to this long prefills on the "
-                        "decode worker rather than wait for a heavier tenant's prefill (0 = never)")
+                        "decode worker rather than wait for a heavier tenant's prefill (default 0: never)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)")
     p.add_argument("--metrics-max-tenants", type=int, default=metrics.DEFAULT_MAX_TENANTS,
