@@ -17,6 +17,14 @@ There is no separate prefill path: each step a request's ``num_computed_tokens``
 * Fairness between long and short prompts: a prompt takes at most ``long_prefill_chunk`` tokens per
   step, and the rest of the budget goes to the prompts behind it. Arrival order (FCFS) means a long
   prompt is never overtaken forever; the chunk cap means a short prompt behind it shares each step.
+* Heavy tenants' prompts (``heavy_prefill_chunk`` > 0; a prefill worker's setting): a tenant whose
+  prompt tokens computed here recently (halving every ``RECENT_HALF_LIFE_S``) are more than twice
+  another tenant's — one seen here within ``RECENT_WINDOW_S`` — is *heavy*: its prompts take at most
+  ``heavy_prefill_chunk`` tokens a step, and a step that computes another (not heavy) tenant's prompt
+  gives heavy prompts none. A step is one pass over the weights and cannot be interrupted, so this is
+  how a light tenant's prompt that arrives while a flood's prompt is being prefilled starts after one
+  short chunk instead of after the whole prompt, and runs alone in its step. It costs the heavy
+  tenants a pass per chunk; one tenant alone is never heavy.
 * Preemption: when running requests need more blocks than are free, the victim is the running request
   with the fewest computed tokens (the least work to recompute); ties go to the latest arrival. Its
   blocks are freed (full ones stay in the prefix cache, so recompute is often a cache hit) and it
@@ -29,7 +37,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from core.errors import InvalidRequest
@@ -38,6 +47,9 @@ from core.request import FinishReason, Request, RequestId, RequestStatus
 
 FAIR_TIE = 1e-3  # tokens: a lifted tenant starts this far below the least-served one (ties go to it)
 MAX_TRACKED_TENANTS = 10_000
+RECENT_HALF_LIFE_S = 5.0  # heavy tenants: prompt tokens computed here count half after this long
+RECENT_WINDOW_S = 10.0  # ...against tenants whose prompts were computed here this recently
+HEAVY_SHARE = 0.5  # heavy: another recent tenant's recent prompt tokens are below this share of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +59,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
+    heavy_prefill_chunk: int = 0  # a heavy tenant's prompt tokens per step (0: no tenant is heavy)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.long_prefill_chunk < 1:
             raise ValueError("scheduler limits must be positive")
+        if self.heavy_prefill_chunk < 0:
+            raise ValueError("heavy_prefill_chunk must not be negative")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token)")
 
@@ -93,9 +108,13 @@ class SchedulerOutput:
 class StepScheduler:
     """Continuous batching over a `KVCacheManager`; owns the waiting and running queues."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
+        self._clock = clock
+        self._recent: dict[str, tuple[float, float]] = {}  # tenant → (prompt tokens, decayed to this time)
+        self._heavy: frozenset[str] = frozenset()  # this step's heavy tenants
         self.waiting: list[Request] = []  # sorted by arrival_seq (FCFS)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[RequestId, Request] = {}
@@ -179,6 +198,7 @@ class StepScheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._heavy = self._heavy_tenants()
         plan = self._plan_running_with_preemption(out)
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []
@@ -200,16 +220,28 @@ class StepScheduler:
         queue: Iterable[tuple[tuple[float, int], int, Request, int]] = (
             heapq.merge(started, waiting, key=lambda x: (x[0], x[1])) if len(self._active) <= 1
             else sorted([*started, *waiting], key=lambda x: (x[0], x[1])))
+        if self._heavy:  # heavy tenants' prompts after the others, and only in a step without them
+            queue = sorted(queue, key=lambda x: x[2].cache_salt in self._heavy)
+        light_prompt = False
         for _, is_waiting, request, n in queue:
             if budget <= 0:
                 break
+            heavy = request.cache_salt in self._heavy
+            if heavy and light_prompt:
+                if is_waiting:
+                    admitting = False  # waiting heavy prompts keep their order for the next step
+                else:
+                    pending -= self.kv.num_blocks_needed(request, n)
+                continue
             if not is_waiting:
                 pending -= self.kv.num_blocks_needed(request, n)
                 n = min(n, budget)
                 self._run(out, request, n)
                 budget -= n
+                light_prompt = light_prompt or not heavy
             elif admitting and self._admit(out, request, budget, reserve=len(self.running) + pending):
                 budget -= out.scheduled[-1].num_new_tokens
+                light_prompt = light_prompt or not heavy
             else:
                 admitting = False  # the fair head waits for blocks or a slot; no waiting request overtakes it
         return out
@@ -226,6 +258,8 @@ class StepScheduler:
             if r.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             self._served[r.cache_salt] = self._served.get(r.cache_salt, 0.0) + s.num_new_tokens
+            if self.config.heavy_prefill_chunk and r.num_tokens - r.num_computed_tokens > 1:
+                self._note_prompt_tokens(r.cache_salt, s.num_new_tokens)
             r.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(r, r.num_computed_tokens)
             token = sampled.get(r.request_id)
@@ -247,7 +281,7 @@ class StepScheduler:
         for r in sorted(self.running, key=self._fair_key):
             remaining = r.num_tokens - r.num_computed_tokens
             if remaining > 1 and budget > 0:
-                n = min(remaining, self.config.long_prefill_chunk, budget)
+                n = min(remaining, self._chunk(r), budget)
                 plan.append((r, n))
                 budget -= n
         return plan
@@ -278,7 +312,7 @@ class StepScheduler:
             return False
         hit = self.kv.find_prefix(request)
         remaining = request.num_tokens - hit.num_tokens
-        n = min(remaining, self.config.long_prefill_chunk, budget)
+        n = min(remaining, self._chunk(request), budget)
         if not self.kv.can_allocate(request, n, hit, reserve=reserve):
             return False
         self.waiting.remove(request)
@@ -289,6 +323,32 @@ class StepScheduler:
         self.running.append(request)
         out.scheduled.append(ScheduledRequest(request, n, self.kv.block_ids(request.request_id)))
         return True
+
+    def _chunk(self, request: Request) -> int:
+        """The most prompt tokens ``request`` may compute in one step."""
+        if request.cache_salt in self._heavy:
+            return min(self.config.long_prefill_chunk, self.config.heavy_prefill_chunk)
+        return self.config.long_prefill_chunk
+
+    def _note_prompt_tokens(self, tenant: str, n: int) -> None:
+        now = self._clock()
+        tokens, at = self._recent.get(tenant, (0.0, now))
+        self._recent[tenant] = (tokens * 2 ** (-(now - at) / RECENT_HALF_LIFE_S) + n, now)
+        if len(self._recent) > MAX_TRACKED_TENANTS:
+            self._recent = {k: v for k, v in self._recent.items() if now - v[1] <= RECENT_WINDOW_S}
+
+    def _heavy_tenants(self) -> frozenset[str]:
+        """Tenants whose recent prompt tokens here are more than 1 / HEAVY_SHARE times another recent
+        tenant's (none unless ``heavy_prefill_chunk`` is set)."""
+        if not self.config.heavy_prefill_chunk or len(self._recent) < 2:
+            return frozenset()
+        now = self._clock()
+        recent = {t: tokens * 2 ** (-(now - at) / RECENT_HALF_LIFE_S)
+                  for t, (tokens, at) in self._recent.items() if now - at <= RECENT_WINDOW_S}
+        if len(recent) < 2:
+            return frozenset()
+        least = min(recent.values())
+        return frozenset(t for t, tokens in recent.items() if least < HEAVY_SHARE * tokens)
 
     def _enqueue_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: r.arrival_seq)

@@ -25,6 +25,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
+    heavy_prefill_chunk: int = 0  # a heavy tenant's prompt tokens per step; 0 = none is heavy (core.step_scheduler)
     max_model_len: int | None = None  # None = the model's context, capped by what the KV cache holds
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default

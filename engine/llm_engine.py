@@ -128,7 +128,8 @@ class LLMEngine:
         model = load_model(self.model_dir, self.model_config, dtype, device, self.max_model_len + 1)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = StepScheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk,
+                            config.heavy_prefill_chunk),
             self.kv,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size)

@@ -24,12 +24,15 @@ or a prefill worker with ``max_prefill_queue`` prompts accepted and not yet pref
 the request waits in the fair queue instead (`NoCapacity`), where the tenant that was served least
 goes first. Small prefill queues keep a quiet tenant's prompt from waiting behind a flood of others.
 
-Latency isolation: a prompt on a prefill worker cannot be interrupted — its step is one pass over the
-weights, and cutting it into chunks costs a pass per chunk (docs/SCHEDULER.md has the figures) — so
-even first in the fair order a quiet tenant's prompt would wait for the rest of a heavy tenant's
-prefill. A request the scheduler calls *light* (its tenant asked for less than half as much recently as
-another waiting tenant: `FairQueue.is_light`) prefills on its decode worker instead when every prefill
-worker is busy; the decode worker takes the short prompt into its next step along with its decodes.
+Latency isolation: a step on a prefill worker cannot be interrupted — it is one pass over the weights —
+so even first in the fair order a quiet tenant's prompt would wait for the rest of a heavy tenant's
+prefill. A prefill worker therefore computes a heavy tenant's prompt in short chunks
+(``--heavy-prefill-chunk``, core.step_scheduler), and a request the scheduler calls *light* (its
+tenant asked for less than half as much recently as another waiting tenant: `FairQueue.is_light`) may
+take one prompt slot more there (``light_prefill_slot``): it is sent while the heavy prompt is still
+being computed and runs alone in the worker's next step. Optionally a light request prefills on its
+decode worker instead when every prefill worker is busy; the decode worker takes the short prompt into
+its next step along with its decodes.
 The heavy tenants pay for it with one longer decode step each time; their own prompts still wait for
 the prefill pool. Off by default: on the Tenancy benchmark it raised every stream's ITL p95 by half
 for no clear gain in the quiet tenant's TTFT p95 (docs/SCHEDULER.md).
@@ -70,6 +73,7 @@ class PlacementPolicy:
     max_decode_queue: int = 8  # requests a decode worker holds waiting or pulling before it is full
     local_when_prefill_full: bool = False  # every prefill queue full: prefill on D instead of waiting
     light_local_max_tokens: int = 0  # ...and so for a light tenant's prompt up to this long (0 = never)
+    light_prefill_slot: bool = True  # a light request may take one prompt slot more on a prefill worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +137,8 @@ class Placer:
         prefills = [c for c in prefill_pool if c.address not in exclude and c.address != decode.address]
         if left_on_decode < self.policy.local_prefill_threshold or not prefills:
             return Placement(None, decode, best[0])
-        open_ = [c for c in prefills if c.running + c.waiting < self.policy.max_prefill_queue]
+        slots = self.policy.max_prefill_queue + (1 if light and self.policy.light_prefill_slot else 0)
+        open_ = [c for c in prefills if c.running + c.waiting < slots]
         if not open_:
             if self.policy.local_when_prefill_full or (light and left_on_decode <= self.policy.light_local_max_tokens):
                 return Placement(None, decode, best[0])  # conditional disaggregation: prefill on D

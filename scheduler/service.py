@@ -323,7 +323,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._waiting_here += 1
         try:
             # A light tenant's prompt need not wait for a heavier one's prefill (scheduler.placement).
-            light = self.placer.policy.light_local_max_tokens > 0 and await self.queue.is_light(tenant.name)
+            policy = self.placer.policy
+            light = ((policy.light_prefill_slot or policy.light_local_max_tokens > 0)
+                     and await self.queue.is_light(tenant.name))
             look_now = light  # it may find its room at once, on the decode worker
             while time.monotonic() < deadline:
                 if not look_now:

@@ -10,6 +10,7 @@ from typing import Any
 from core.units import parse_bytes
 
 ROLES = ("prefill", "decode", "both")
+HEAVY_PREFILL_CHUNK = 32  # a prefill worker's default prompt tokens per step for a heavy tenant's prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # tokens per engine step (prefill chunks + decodes)
     long_prefill_chunk: int = 512  # the most prompt tokens one request may prefill per step
+    # A heavy tenant's prompt tokens per step (core.step_scheduler); None = HEAVY_PREFILL_CHUNK on a
+    # prefill worker, where a light tenant's prompt would otherwise wait for a whole heavy prompt, else 0.
+    heavy_prefill_chunk: int | None = None
     threads: int | None = None
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
@@ -38,6 +42,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.heavy_prefill_chunk is None:
+            object.__setattr__(self, "heavy_prefill_chunk", HEAVY_PREFILL_CHUNK if self.role == "prefill" else 0)
 
 
 def add_worker_parser(sub: Any) -> None:
@@ -55,6 +61,9 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--long-prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step (chunked prefill); "
                         "set it to the context length to turn chunking off")
+    p.add_argument("--heavy-prefill-chunk", type=int, default=None,
+                   help="prompt tokens per step of a heavy tenant's prompt, so a light tenant's prompt starts "
+                        f"soon (default: {HEAVY_PREFILL_CHUNK} on a prefill worker, else 0 = off)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--lease-ttl-s", type=float, default=30.0)
     p.add_argument("--transfer-timeout-s", type=float, default=10.0)

@@ -167,7 +167,7 @@ def test_light_means_asking_for_less_than_half_of_another_waiting_tenants_demand
             await q.enqueue(B, f"b{i}", 80, 60)
             clock.now += 0.1
         assert await q.is_light("a") and not await q.is_light("b")
-        for i in range(3):
+        for _ in range(3):
             await q.pop_next()  # b stops waiting: it is compared as the last tenant that left
         assert await q.is_light("a")
         for _ in range(40):  # b keeps asking at the same rate as a for 40 s: neither is light

@@ -81,9 +81,16 @@ def test_full_worker_queues_send_the_request_to_the_fair_queue_instead() -> None
         placer.place([queued_d], [], 20, 8, BS)
 
 
-def test_a_light_tenants_short_prompt_prefills_on_the_decode_worker_when_the_prefill_pool_is_busy() -> None:
-    placer = Placer(PlacementPolicy(light_local_max_tokens=256))
+def test_a_light_request_takes_one_prefill_slot_more_or_prefills_on_the_decode_worker() -> None:
     d, busy_p = worker("d:1"), worker("p:1", running=1, role="prefill")
+    full_p = worker("p:1", running=1, waiting=1, role="prefill")
+    slot = Placer()  # the defaults: the light slot on, prefill on D off
+    with pytest.raises(NoCapacity, match="prefill"):
+        slot.place([d], [busy_p], 200, 8, BS)  # not light: waits for the prefill worker
+    assert slot.place([d], [busy_p], 200, 8, BS, light=True).prefill == busy_p  # light: queued behind one
+    with pytest.raises(NoCapacity, match="prefill"):
+        slot.place([d], [full_p], 200, 8, BS, light=True)  # one slot more, not two
+    placer = Placer(PlacementPolicy(light_local_max_tokens=256, light_prefill_slot=False))
     with pytest.raises(NoCapacity, match="prefill"):
         placer.place([d], [busy_p], 200, 8, BS)  # not light: it waits for the prefill worker
     local = placer.place([d], [busy_p], 200, 8, BS, light=True)
@@ -91,7 +98,7 @@ def test_a_light_tenants_short_prompt_prefills_on_the_decode_worker_when_the_pre
     with pytest.raises(NoCapacity, match="prefill"):
         placer.place([d], [busy_p], 300, 8, BS, light=True)  # longer than light_local_max_tokens
     assert placer.place([d], [worker("p:2", role="prefill")], 200, 8, BS, light=True).prefill is not None
-    off = Placer(PlacementPolicy(light_local_max_tokens=0))
+    off = Placer(PlacementPolicy(light_local_max_tokens=0, light_prefill_slot=False))
     with pytest.raises(NoCapacity, match="prefill"):
         off.place([d], [busy_p], 200, 8, BS, light=True)
 

@@ -10,7 +10,7 @@ from core.errors import InvalidRequest
 from core.kv_cache import KVCacheManager
 from core.request import FinishReason, Request, RequestId, RequestStatus
 from core.sampling_params import SamplingParams
-from core.step_scheduler import SchedulerConfig, SchedulerOutput, StepScheduler
+from core.step_scheduler import RECENT_WINDOW_S, SchedulerConfig, SchedulerOutput, StepScheduler
 
 pytestmark = pytest.mark.unit
 
@@ -124,6 +124,65 @@ def test_a_quiet_tenants_prompt_overtakes_a_flood_at_the_next_step() -> None:
     out, _ = step(s)  # then the flood resumes where it was
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("f0", 8)]
     run_all(s)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_heavy_tenants_prompts_are_chunked_and_yield_the_step_to_a_light_prompt() -> None:
+    """A prefill worker's view: one prompt at a time, whole, while one tenant is alone; once another
+    tenant's prompts were seen here recently, the tenant with more than twice its recent prompt tokens
+    is heavy — its prompts go in heavy_prefill_chunk pieces, and a light prompt that arrives mid-way
+    runs alone in the next step — until that tenant has not been seen for RECENT_WINDOW_S."""
+    clock = Clock()
+    s = StepScheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_chunk=256,
+                                      heavy_prefill_chunk=8), KVCacheManager(256, BS), clock)
+
+    bases = iter(range(10_000, 10**6, 1000))  # no two prompts share a block: no prefix-cache hits
+
+    def prefill_alone(rid: str, tenant: str, n: int) -> list[int]:
+        s.add_request(tenant_req(rid, tenant, n, base=next(bases)))
+        chunks = []
+        while rid in s.requests:
+            out, _ = step(s)
+            chunks += [x.num_new_tokens for x in out.scheduled if x.request.request_id == rid]
+            clock.now += 0.1
+        return chunks
+
+    for i in range(5):
+        assert prefill_alone(f"f{i}", "flood", 24) == [24]  # alone: never heavy, one step a prompt
+    assert prefill_alone("q0", "quiet", 8) == [8]  # quiet: far fewer prompt tokens here
+    s.add_request(tenant_req("f5", "flood", 24, base=9000))
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("f5", 8)]  # heavy now
+    s.add_request(tenant_req("q1", "quiet", 12, base=7000))  # a light prompt arrives mid-way
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("q1", 12)]  # alone
+    out, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("f5", 8)]
+    run_all(s)
+    clock.now += RECENT_WINDOW_S + 1  # the quiet tenant has not been seen for a while
+    assert prefill_alone("f6", "flood", 24) == [24]
+
+
+def test_no_tenant_is_heavy_unless_asked() -> None:
+    clock = Clock()
+    s = StepScheduler(SchedulerConfig(max_num_batched_tokens=256), KVCacheManager(256, BS), clock)
+    for i in range(4):
+        s.add_request(tenant_req(f"f{i}", "flood", 24, base=100 * i))
+        run_all(s)
+    s.add_request(tenant_req("q", "quiet", 4, base=5000))
+    run_all(s)
+    s.add_request(tenant_req("f9", "flood", 24, base=9000))
+    out, _ = step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [24]
+    with pytest.raises(ValueError):
+        SchedulerConfig(heavy_prefill_chunk=-1)
 
 
 def test_tenants_share_prompt_tokens_alike_not_requests() -> None:
