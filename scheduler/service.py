@@ -191,7 +191,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not any(v.worker_id not in request.exclude_workers for v, _ in decode_rows):
             raise Unavailable(f"no other healthy decode worker serves model {model!r}")
         if not request.resume:
-            await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
+            try:
+                await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
+            except asyncio.CancelledError:  # given up mid-call: the charge may have landed; finish is idempotent
+                await asyncio.shield(self.quota.finish(tenant, request.request_id, len(ids), 0))
+                raise
         try:
             placement = await self._place_or_wait(model, version, tenant, request, chain, len(ids), block_size,
                                                   blocks_needed)

@@ -342,6 +342,26 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             await eventually(quota_free)
             await eventually(lambda: _true(not router._calls._pending))
 
+            # A Place given up while its quota charge is on the way back (the script ran in Redis, its
+            # reply not read yet) is refunded too.
+            real_admit = servicer.quota.admit
+
+            async def slow_admit(*args: Any, **kwargs: Any) -> None:
+                await real_admit(*args, **kwargs)
+                await asyncio.sleep(0.5)  # the reply is slow to come back
+
+            async def charged() -> bool:
+                return (await servicer.quota.usage(solo)).concurrent == 1
+
+            servicer.quota.admit = slow_admit  # type: ignore[method-assign]
+            try:
+                cut = asyncio.create_task(router.route(query("c1")))
+                await eventually(charged)
+                cut.cancel()
+                await eventually(quota_free)
+            finally:
+                servicer.quota.admit = real_admit  # type: ignore[method-assign]
+
             # No decode room (the worker's queue limit is 0 now): a Place waits in the fair queue. Cancelled
             # by the gateway, it leaves the queue and its quota comes back.
             servicer.placer.policy = replace(servicer.placer.policy, max_decode_queue=0)
