@@ -150,8 +150,8 @@ if not redis.call('ZSCORE', base .. 'active', tenant) then
   -- precision is lost on the way through Lua. The reference: the next waiter's counter, or with nobody
   -- waiting the counter of the last tenant that left. A joiner is put within [ref - cap, ref + cap]:
   -- lifted if it lags, lowered if ahead; then moved down by the whole credit if it asked for less
-  -- recently than the reference tenant (its own new request not counted yet). With others waiting it is never level with the next waiter: a
-  -- tie goes to the joiner if it lags, to the waiter otherwise.
+  -- recently than the reference tenant (its own new request not counted yet). With others waiting it
+  -- is never level with the next waiter: a tie goes to the joiner if it lags, to the waiter otherwise.
   local cap = tonumber(ARGV[10])
   local top = redis.call('ZRANGE', base .. 'active', 0, 0, 'WITHSCORES')
   local ref_tenant = top[1] or redis.call('GET', base .. 'floor_tenant')

@@ -30,11 +30,11 @@ prefill. A prefill worker therefore computes a heavy tenant's prompt in short ch
 (``--heavy-prefill-chunk``, core.step_scheduler), and a request the scheduler calls *light* (its
 tenant asked for less than half as much recently as another waiting tenant: `FairQueue.is_light`) may
 take one prompt slot more there (``light_prefill_slot``): it is sent while the heavy prompt is still
-being computed and runs alone in the worker's next step. Optionally a light request prefills on its
-decode worker instead when every prefill worker is busy; the decode worker takes the short prompt into
-its next step along with its decodes.
-The heavy tenants pay for it with one longer decode step each time; their own prompts still wait for
-the prefill pool. Off by default: on the Tenancy benchmark it raised every stream's ITL p95 by half
+being computed and runs alone in the worker's next step.
+
+Optionally (``light_local_max_tokens``) a light request prefills on its decode worker instead when
+every prefill worker is busy; the decode worker takes the short prompt into its next step along with
+its decodes, and the heavy tenants pay with one longer decode step each time. Off by default: on the Tenancy benchmark it raised every stream's ITL p95 by half
 for no clear gain in the quiet tenant's TTFT p95 (docs/SCHEDULER.md).
 """
 
@@ -119,8 +119,9 @@ class Placer:
         exclude: Collection[str] = (),
         light: bool = False,
     ) -> Placement:
-        """``light``: the request's tenant is light (module docstring): with every prefill worker busy it
-        prefills on the decode worker rather than wait."""
+        """``light``: the request's tenant is light (module docstring): it may take one prompt slot more on
+        a prefill worker and, if ``light_local_max_tokens`` allows, prefill on the decode worker when every
+        prefill worker is busy."""
         num_prompt_blocks = num_prompt_tokens // block_size  # full blocks: the ones a cache can hold
         num_blocks_needed = -(-(num_prompt_tokens + min(max_tokens, block_size)) // block_size)
         best: tuple[float, str, Candidate] | None = None

@@ -330,7 +330,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             policy = self.placer.policy
             light = ((policy.light_prefill_slot or policy.light_local_max_tokens > 0)
                      and await self.queue.is_light(tenant.name))
-            look_now = light  # it may find its room at once, on the decode worker
+            look_now = light  # it may find its room at once (a prefill slot more, or the decode worker)
             while time.monotonic() < deadline:
                 if not look_now:
                     with contextlib.suppress(asyncio.TimeoutError):  # a load change here, or the poll
