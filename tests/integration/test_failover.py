@@ -286,7 +286,10 @@ def settled(redis_url: str) -> dict[str, Any]:
         state.update(ledgers(redis_url))
         return state["active"] == 0 and state["in_flight"] == 0
 
-    eventually(check, 10, "leases ended and quotas credited")
+    try:
+        eventually(check, 10, "leases ended and quotas credited")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; ledgers: {state}") from None  # what was left, for the diagnosis
     return state
 
 
