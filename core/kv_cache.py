@@ -29,15 +29,30 @@ BlockId = NewType("BlockId", int)
 BlockHash = NewType("BlockHash", bytes)
 
 
+def _link(parent: BlockHash | None, data: bytes | memoryview, extra_key: str) -> BlockHash:
+    h = blake2b(digest_size=16)
+    h.update(b"\x00" + extra_key.encode() if parent is None else b"\x01" + parent)
+    h.update(data)
+    return BlockHash(h.digest())
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str) -> BlockHash:
     """One link of the prefix-hash chain (128-bit BLAKE2b, stable across processes and hosts)."""
-    h = blake2b(digest_size=16)
-    if parent is None:
-        h.update(b"\x00" + extra_key.encode())
-    else:
-        h.update(b"\x01" + parent)
-    h.update(array("q", token_ids).tobytes())
-    return BlockHash(h.digest())
+    return _link(parent, array("q", token_ids).tobytes(), extra_key)
+
+
+def hash_chain(token_ids: Sequence[int], block_size: int, extra_key: str,
+               parent: BlockHash | None = None) -> list[BlockHash]:
+    """The links of ``token_ids``' full blocks, continuing the chain after ``parent`` (the same links
+    as `hash_block` one block at a time; the token ids are packed once, not once per block)."""
+    num_full = len(token_ids) // block_size
+    data = memoryview(array("q", token_ids[: num_full * block_size]).tobytes())
+    step = block_size * 8  # bytes per block: 8 per token id ("q")
+    links: list[BlockHash] = []
+    for start in range(0, num_full * step, step):
+        parent = _link(parent, data[start : start + step], extra_key)
+        links.append(parent)
+    return links
 
 
 @dataclass(slots=True)
@@ -101,10 +116,9 @@ class KVCacheManager:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         num_full = request.num_tokens // self.block_size
         bs = self.block_size
-        while len(hashes) < num_full:
-            i = len(hashes)
+        if len(hashes) < num_full:
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.token_slice(i * bs, (i + 1) * bs), request.cache_salt))
+            hashes += hash_chain(request.token_slice(len(hashes) * bs, num_full * bs), bs, request.cache_salt, parent)
         return hashes
 
     def cached_hashes(self) -> set[BlockHash]:

@@ -40,7 +40,7 @@ for no clear gain in the quiet tenant's TTFT p95 (docs/SCHEDULER.md).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -96,13 +96,25 @@ class Placer:
 
     def decode_cost(self, c: Candidate, num_prompt_blocks: int, num_blocks_needed: int) -> float | None:
         """None when the request's new blocks do not fit in the worker's free blocks."""
-        new_blocks = max(0, num_blocks_needed - c.hit_blocks)
-        if c.num_blocks <= 0 or new_blocks > c.free_blocks or c.waiting + c.transfers >= self.policy.max_decode_queue:
-            return None
-        usage_after = 1.0 - (c.free_blocks - new_blocks) / c.num_blocks
-        queued = (c.waiting + c.transfers) / max(1, self.policy.max_running_hint)
-        hit_fraction = c.hit_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
-        return usage_after + self.policy.queue_weight * queued - self.policy.overlap_weight * hit_fraction
+        return self._decode_cost_of(num_prompt_blocks, num_blocks_needed)(c)
+
+    def _decode_cost_of(self, num_prompt_blocks: int, num_blocks_needed: int) -> Callable[[Candidate], float | None]:
+        """`decode_cost` for one request, with its per-request terms looked up once (it runs for every
+        decode worker at every decision)."""
+        p = self.policy
+        max_queue, queue_weight, hint, overlap_weight = (p.max_decode_queue, p.queue_weight,
+                                                         max(1, p.max_running_hint), p.overlap_weight)
+
+        def cost(c: Candidate) -> float | None:
+            new_blocks = max(0, num_blocks_needed - c.hit_blocks)
+            queued = c.waiting + c.transfers
+            if c.num_blocks <= 0 or new_blocks > c.free_blocks or queued >= max_queue:
+                return None
+            usage_after = 1.0 - (c.free_blocks - new_blocks) / c.num_blocks
+            hit_fraction = c.hit_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
+            return usage_after + queue_weight * (queued / hint) - overlap_weight * hit_fraction
+
+        return cost
 
     def prefill_cost(self, c: Candidate, num_prompt_blocks: int) -> float:
         queued = (c.running + c.waiting) / max(1, self.policy.max_running_hint)
@@ -124,25 +136,25 @@ class Placer:
         prefill worker is busy."""
         num_prompt_blocks = num_prompt_tokens // block_size  # full blocks: the ones a cache can hold
         num_blocks_needed = -(-(num_prompt_tokens + min(max_tokens, block_size)) // block_size)
-        best: tuple[float, str, Candidate] | None = None
+        cost_of = self._decode_cost_of(num_prompt_blocks, num_blocks_needed)
+        decode: Candidate | None = None
+        best = 0.0
         for c in decode_pool:
-            if c.address in exclude:
-                continue
-            cost = self.decode_cost(c, num_prompt_blocks, num_blocks_needed)
-            if cost is not None and (best is None or (cost, c.address) < best[:2]):
-                best = (cost, c.address, c)
-        if best is None:
+            cost = cost_of(c)
+            if (cost is not None and (decode is None or cost < best or (cost == best and c.address < decode.address))
+                    and c.address not in exclude):
+                decode, best = c, cost
+        if decode is None:
             raise NoCapacity("no decode worker has room for this request now")
-        decode = best[2]
         left_on_decode = num_prompt_tokens - decode.hit_blocks * block_size
         prefills = [c for c in prefill_pool if c.address not in exclude and c.address != decode.address]
         if left_on_decode < self.policy.local_prefill_threshold or not prefills:
-            return Placement(None, decode, best[0])
+            return Placement(None, decode, best)
         slots = self.policy.max_prefill_queue + (1 if light and self.policy.light_prefill_slot else 0)
         open_ = [c for c in prefills if c.running + c.waiting < slots]
         if not open_:
             if self.policy.local_when_prefill_full or (light and left_on_decode <= self.policy.light_local_max_tokens):
-                return Placement(None, decode, best[0])  # conditional disaggregation: prefill on D
+                return Placement(None, decode, best)  # conditional disaggregation: prefill on D
             raise NoCapacity("every prefill worker's queue is full")
         prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
-        return Placement(prefill, decode, best[0])
+        return Placement(prefill, decode, best)

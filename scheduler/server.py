@@ -19,6 +19,7 @@ from baton.v1 import scheduler_pb2 as pb
 from baton.v1 import scheduler_pb2_grpc
 from scheduler import metrics
 from scheduler.leases import LeaseState
+from scheduler.redis_pipe import RedisPipe
 from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class SchedulerServer:
     reaper: asyncio.Task[None]
     address: str
     metrics_endpoint: metrics.MetricsEndpoint | None = None
+    pipe: RedisPipe | None = None
 
     @property
     def metrics_url(self) -> str:
@@ -45,6 +47,8 @@ class SchedulerServer:
             await self.metrics_endpoint.stop()
         await self.server.stop(grace_s)
         await self.client.aclose()
+        if self.pipe is not None:
+            await self.pipe.close()
 
 
 async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterState:
@@ -79,7 +83,9 @@ async def serve_scheduler(
 
     client = aioredis.Redis.from_url(config.redis_url, decode_responses=True, socket_timeout=2.0,
                                      socket_connect_timeout=2.0)
-    servicer = SchedulerServicer(config, client)
+    # The per-request quota scripts on a pipelined connection of their own (scheduler.redis_pipe).
+    pipe = RedisPipe(config.redis_url, timeout_s=2.0) if RedisPipe.supports(config.redis_url) else None
+    servicer = SchedulerServicer(config, client, pipe)
     await servicer.ensure_default_tenant()
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -94,7 +100,7 @@ async def serve_scheduler(
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.create_task(servicer.reap_forever(), name="lease-reaper")
     address = f"{config.host}:{port}"
-    scheduler = SchedulerServer(server, servicer, client, reaper, address)
+    scheduler = SchedulerServer(server, servicer, client, reaper, address, pipe=pipe)
     if metrics_max_tenants is not None:
         metrics.TENANTS.limit = metrics_max_tenants
     if metrics_port is not None:

@@ -35,13 +35,14 @@ from core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from core.kv_cache import hash_block
+from core.kv_cache import hash_chain
 from scheduler import metrics
 from scheduler.cancel import CancellationBus
 from scheduler.fairness import FairQueue
 from scheduler.leases import LeaseLedger
 from scheduler.placement import Candidate, NoCapacity, Placement, PlacementPolicy, Placer
 from scheduler.quota import QuotaLedger
+from scheduler.redis_pipe import RedisPipe
 from scheduler.registry import WorkerLoad, WorkerRecord, WorkerRegistry, WorkerView
 from scheduler.snapshot import RegistrySnapshot, TTLCache, leading_hits
 from scheduler.tenants import TenantConfig, TenantDirectory, cache_salt
@@ -85,15 +86,17 @@ Row = tuple[WorkerView, frozenset[str]]  # a worker in a registry snapshot, and 
 class RecentPlacements:
     """One worker's placements by this replica, oldest first, with running totals."""
 
-    __slots__ = ("_items", "blocks")
+    __slots__ = ("_items", "blocks", "added")
 
     def __init__(self) -> None:
         self._items: collections.deque[tuple[float, int]] = collections.deque()
         self.blocks = 0
+        self.added = 0  # placements ever added: what a candidate built from these totals was built at
 
     def add(self, at: float, blocks: int) -> None:
         self._items.append((at, blocks))
         self.blocks += blocks
+        self.added += 1
 
     def since(self, cutoff: float) -> tuple[int, int]:
         """Forgets the placements made at or before ``cutoff``; (new blocks, requests) of the rest."""
@@ -102,27 +105,26 @@ class RecentPlacements:
             self.blocks -= items.popleft()[1]
         return self.blocks, len(items)
 
+    def last_at(self) -> float:
+        """When the newest placement still counted was made (0 if none is)."""
+        return self._items[-1][0] if self._items else 0.0
+
 
 def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[str]:
     """The prompt's prefix-hash chain exactly as the workers' KV caches compute it (hex)."""
-    hashes: list[str] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], salt)
-        hashes.append(parent.hex())
-    return hashes
+    return [h.hex() for h in hash_chain(token_ids, block_size, salt)]
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[misc]  # generated, untyped
     """One replica; every piece of shared state lives in Redis."""
 
-    def __init__(self, config: ClusterSchedulerConfig, client: aioredis.Redis) -> None:
+    def __init__(self, config: ClusterSchedulerConfig, client: aioredis.Redis, pipe: RedisPipe | None = None) -> None:
         self.config = config
         p = config.prefix
         self.registry = WorkerRegistry(client, p, config.heartbeat_timeout_s)
         self.catalog = ModelCatalog(client, p)
         self.tenants = TenantDirectory(client, p, default_tenant=config.default_tenant)
-        self.quota = QuotaLedger(client, p)
+        self.quota = QuotaLedger(client, p, pipe=pipe)  # the per-request scripts: on the pipe if given
         self.queue = FairQueue(client, p, burst_credit_tokens=config.burst_credit_tokens)
         self.leases = LeaseLedger(client, p)
         self.bus = CancellationBus(client, p)
@@ -135,6 +137,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.snapshot = RegistrySnapshot(self.registry)
         self._models: tuple[float, list[str]] = (0.0, [])
         self._recent: dict[str, RecentPlacements] = {}  # worker → this replica's placements on it
+        # worker → (the view and the count of placements it was built from, its candidate without hits)
+        self._candidates: dict[str, tuple[WorkerView, int, Candidate]] = {}
         self._split: dict[str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]] = {}  # see _by_version
         self._waiting_here = 0  # requests of this replica in the fair queue
         self._claim = asyncio.Lock()  # one waiter at a time turns seen room into a placement
@@ -175,7 +179,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not request.request_id:
             raise InvalidRequest("request_id is required")
         tenant = await self._tenant(request.api_key)
-        ids = list(request.prompt_token_ids)
+        ids = request.prompt_token_ids  # the repeated field itself: hashed as it is, not copied
         if not ids:
             raise InvalidRequest("prompt_token_ids must not be empty")
         model, weights, shadow = await self._catalog_view(request.model)
@@ -267,19 +271,47 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     async def _pools(self, model: str, version: str, chain: list[str]) -> tuple[list[Candidate], list[Candidate]]:
         decode, prefill = self._by_version(model, await self.snapshot.workers(model)).get(version, ([], []))
-        return ([self._candidate(v, leading_hits(held, chain) if held else 0) for v, held in decode],
-                [self._candidate(v, leading_hits(held, chain) if held else 0) for v, held in prefill])
+        return self._pool(decode, chain), self._pool(prefill, chain)
 
-    def _candidate(self, view: WorkerView, hit_blocks: int) -> Candidate:
+    def _pool(self, rows: list[Row], chain: list[str]) -> list[Candidate]:
+        """One pool's candidates for a request with this hash chain. Only a worker that holds the
+        chain's first block can hold any of its leading blocks, so only those are searched further."""
+        first = chain[0] if chain else ""
+        pool = []
+        for view, held in rows:
+            c = self._candidate(view)
+            if first in held:
+                c = c._replace(hit_blocks=leading_hits(held, chain))
+            pool.append(c)
+        return pool
+
+    def _candidate(self, view: WorkerView) -> Candidate:
         """A worker's load as of its last heartbeat, plus what this replica placed on it since: without
         that, every request of a burst would see the same idle worker and pile onto it. A placement
         counts until a load measured ``IN_TRANSIT_S`` after it (the request reaches the worker through
-        the gateway, so a load measured just after the placement may not show it yet)."""
+        the gateway, so a load measured just after the placement may not show it yet). Kept until the
+        worker's load or this replica's placements on it change: a decision rebuilds only those."""
         r, load = view.record, view.load
         recent = self._recent.get(r.address)
+        added = recent.added if recent is not None else 0
+        kept = self._candidates.get(r.address)
+        if kept is not None and kept[0] is view and kept[1] == added:
+            return kept[2]
         blocks, requests = recent.since(load.timestamp - IN_TRANSIT_S) if recent is not None else (0, 0)
-        return Candidate(r.address, r.role, r.num_blocks, max(0, load.free_blocks - blocks), load.running,
-                         load.waiting + requests, load.transfers, hit_blocks, load.timestamp)
+        c = Candidate(r.address, r.role, r.num_blocks, max(0, load.free_blocks - blocks), load.running,
+                      load.waiting + requests, load.transfers, 0, load.timestamp)
+        self._candidates[r.address] = (view, added, c)
+        return c
+
+    def _forget_gone_workers(self) -> None:
+        """Drops what this replica keeps per worker for workers no snapshot holds (placements only once
+        they are older than the heartbeat timeout: a copy may be away for a moment after a registration)."""
+        live = {view.record.address for rows in self.snapshot.cached().values() for view, _ in rows}
+        old = time.time() - self.config.heartbeat_timeout_s
+        for address in [a for a, recent in self._recent.items() if a not in live and recent.last_at() <= old]:
+            del self._recent[address]
+        for address in [a for a in self._candidates if a not in live]:
+            del self._candidates[address]
 
     def _note_placement(self, placement: Placement, blocks: int) -> None:
         now = time.time()  # the clock of WorkerLoad.timestamp: this replica's, when the load arrived
@@ -570,6 +602,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             try:
                 await self.ensure_default_tenant()
                 await self._flush_charges()
+                self._forget_gone_workers()
                 for lease in await self.leases.expire_due():
                     await self._free_on_worker(lease.prefill_worker, lease.request_id)
                 await self.registry.sweep()

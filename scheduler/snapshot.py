@@ -83,6 +83,10 @@ class RegistrySnapshot:
             return cached[1]  # stale-while-revalidate: the refresh lands for the next decision
         return await asyncio.shield(task)
 
+    def cached(self) -> dict[str, list[tuple[WorkerView, frozenset[str]]]]:
+        """Every model's current copy (no refresh)."""
+        return {model: rows for model, (_, rows) in self._data.items()}
+
     def update_load(self, worker_id: str, load: WorkerLoad) -> bool:
         """A heartbeat this replica just wrote: applies the worker's new load to the copy at once (a new
         list, so decisions holding the old one are unaffected). False if no copy holds the worker."""

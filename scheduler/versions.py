@@ -29,8 +29,8 @@ def choose_version(weights: Mapping[str, float], request_id: str, available: Col
     falls back to the available version of highest weight, then the lexically first: serving an
     unweighted version beats refusing the request. None if nothing is available."""
     live = sorted(v for v in available)
-    if not live:
-        return None
+    if len(live) <= 1:
+        return live[0] if live else None  # one version: whatever the weights, it is the one
     weighted = [(v, max(0.0, weights.get(v, 0.0))) for v in live]
     total = sum(w for _, w in weighted)
     if total <= 0:

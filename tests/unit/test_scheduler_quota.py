@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,9 +13,20 @@ from redis_runner import Clock, run
 
 from core.errors import CapacityExceeded, InvalidRequest
 from scheduler.quota import QuotaLedger, TenantUsage
+from scheduler.redis_pipe import RedisPipe
 from scheduler.tenants import TenantConfig
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=["redis-py", "pipe"])
+def ledger(request: pytest.FixtureRequest, url: str) -> Callable[..., QuotaLedger]:
+    """QuotaLedger(client, ...) with its admissions and finishes on redis-py, and on the scheduler's
+    RedisPipe (scheduler.redis_pipe): every test runs on both."""
+    def make(client: aioredis.Redis, **options: Any) -> QuotaLedger:
+        return QuotaLedger(client, pipe=RedisPipe(url) if request.param == "pipe" else None, **options)
+
+    return make
 
 
 
@@ -25,10 +37,10 @@ def tenant(**limits: Any) -> TenantConfig:
     return TenantConfig("acme", **{**defaults, **limits})
 
 
-def test_request_rate_refuses_with_its_deficit(url: str) -> None:
+def test_request_rate_refuses_with_its_deficit(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
-        q, t = QuotaLedger(r, clock=clock), tenant(requests_per_s=2.0)
+        q, t = ledger(r, clock=clock), tenant(requests_per_s=2.0)
         await q.admit(t, "a", 10, 10, 1)
         await q.admit(t, "b", 10, 10, 1)
         with pytest.raises(CapacityExceeded, match=r"request rate over 2/s") as e:
@@ -45,10 +57,10 @@ def test_request_rate_refuses_with_its_deficit(url: str) -> None:
     run(url, body)
 
 
-def test_token_rate_charges_prompt_plus_max_tokens(url: str) -> None:
+def test_token_rate_charges_prompt_plus_max_tokens(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
-        q, t = QuotaLedger(r, clock=clock), tenant(tokens_per_s=1000.0)
+        q, t = ledger(r, clock=clock), tenant(tokens_per_s=1000.0)
         adm = await q.admit(t, "a", 100, 500, 2)
         assert (adm.tokens_charged, adm.kv_blocks, adm.already_admitted) == (600, 2, False)
         assert adm.expires_at_s == pytest.approx(clock.now + q.request_ttl_s)
@@ -63,9 +75,9 @@ def test_token_rate_charges_prompt_plus_max_tokens(url: str) -> None:
     run(url, body)
 
 
-def test_concurrency_and_kv_limits_refuse_with_a_constant_retry_after(url: str) -> None:
+def test_concurrency_and_kv_limits_refuse_with_a_constant_retry_after(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q = QuotaLedger(r, clock=Clock(), busy_retry_after_s=0.75)
+        q = ledger(r, clock=Clock(), busy_retry_after_s=0.75)
         t = tenant(max_concurrent=2, max_kv_blocks=10)
         await q.admit(t, "a", 1, 1, 6)
         with pytest.raises(CapacityExceeded, match=r"6 KV blocks held and 5 more requested "
@@ -81,9 +93,9 @@ def test_concurrency_and_kv_limits_refuse_with_a_constant_retry_after(url: str) 
     run(url, body)
 
 
-def test_refusal_charges_nothing_and_names_every_limit(url: str) -> None:
+def test_refusal_charges_nothing_and_names_every_limit(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q = QuotaLedger(r, clock=Clock(), busy_retry_after_s=0.1)
+        q = ledger(r, clock=Clock(), busy_retry_after_s=0.1)
         t = tenant(requests_per_s=2.0, tokens_per_s=1000.0, max_concurrent=2, max_kv_blocks=8)
         await q.admit(t, "a", 400, 400, 4)
         await q.admit(t, "b", 50, 50, 4)
@@ -106,9 +118,9 @@ def test_refusal_charges_nothing_and_names_every_limit(url: str) -> None:
     run(url, body)
 
 
-def test_requests_that_can_never_fit_are_invalid(url: str) -> None:
+def test_requests_that_can_never_fit_are_invalid(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q, t = QuotaLedger(r, clock=Clock()), tenant(tokens_per_s=100.0, max_kv_blocks=4)
+        q, t = ledger(r, clock=Clock()), tenant(tokens_per_s=100.0, max_kv_blocks=4)
         with pytest.raises(InvalidRequest, match="needs 101 tokens .* at most 100 at once"):
             await q.admit(t, "a", 1, 100, 1)
         with pytest.raises(InvalidRequest, match="needs 5 KV blocks"):
@@ -120,9 +132,9 @@ def test_requests_that_can_never_fit_are_invalid(url: str) -> None:
     run(url, body)
 
 
-def test_finish_refunds_unused_tokens_and_is_idempotent(url: str) -> None:
+def test_finish_refunds_unused_tokens_and_is_idempotent(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q, t = QuotaLedger(r, clock=Clock()), tenant(tokens_per_s=1000.0)
+        q, t = ledger(r, clock=Clock()), tenant(tokens_per_s=1000.0)
         await q.admit(t, "a", 100, 500, 3)
         assert await q.usage(t) == TenantUsage("acme", 1, 3, 99.0, 400.0)
         assert await q.finish(t, "a", 100, 50) == 450
@@ -135,16 +147,16 @@ def test_finish_refunds_unused_tokens_and_is_idempotent(url: str) -> None:
         assert await q.finish(t, "b", 100, 150) == 0
         # A refund never fills the bucket past its capacity.
         await q.admit(t, "c", 0, 10, 0)
-        clock_refill = QuotaLedger(r, clock=Clock(1_000_100.0))
+        clock_refill = ledger(r, clock=Clock(1_000_100.0))
         assert await clock_refill.finish(t, "c", 0, 0) == 10
         assert (await clock_refill.usage(t)).tokens_available == 1000.0
 
     run(url, body)
 
 
-def test_readmitting_an_admitted_request_charges_nothing(url: str) -> None:
+def test_readmitting_an_admitted_request_charges_nothing(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q, t = QuotaLedger(r, clock=Clock()), tenant(tokens_per_s=1000.0)
+        q, t = ledger(r, clock=Clock()), tenant(tokens_per_s=1000.0)
         first = await q.admit(t, "a", 100, 100, 2)
         again = await q.admit(t, "a", 100, 100, 2)
         assert again.already_admitted and (again.tokens_charged, again.kv_blocks) == (200, 2)
@@ -154,10 +166,10 @@ def test_readmitting_an_admitted_request_charges_nothing(url: str) -> None:
     run(url, body)
 
 
-def test_unfinished_requests_expire_and_give_back_their_slots(url: str) -> None:
+def test_unfinished_requests_expire_and_give_back_their_slots(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
-        q, t = QuotaLedger(r, request_ttl_s=60.0, clock=clock), tenant(max_concurrent=2, max_kv_blocks=10)
+        q, t = ledger(r, request_ttl_s=60.0, clock=clock), tenant(max_concurrent=2, max_kv_blocks=10)
         await q.admit(t, "crashed-1", 1, 1, 5)
         clock.now += 30
         await q.admit(t, "crashed-2", 1, 1, 5)
@@ -176,9 +188,9 @@ def test_unfinished_requests_expire_and_give_back_their_slots(url: str) -> None:
     run(url, body)
 
 
-def test_server_time_refills_the_buckets(url: str) -> None:
+def test_server_time_refills_the_buckets(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        q, t = QuotaLedger(r), tenant(requests_per_s=100.0, burst_s=0.05)
+        q, t = ledger(r), tenant(requests_per_s=100.0, burst_s=0.05)
         for i in range(5):
             await q.admit(t, f"r{i}", 1, 1, 0)
         with pytest.raises(CapacityExceeded, match="request rate") as e:
@@ -190,11 +202,11 @@ def test_server_time_refills_the_buckets(url: str) -> None:
     run(url, body)
 
 
-def test_concurrent_admits_never_exceed_max_concurrent(url: str) -> None:
+def test_concurrent_admits_never_exceed_max_concurrent(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
         other = aioredis.Redis.from_url(url, decode_responses=True)
         try:
-            ledgers = [QuotaLedger(r), QuotaLedger(other)]  # two replicas
+            ledgers = [ledger(r), ledger(other)]  # two replicas
             t = tenant(max_concurrent=10)
 
             async def attempt(i: int) -> bool:

@@ -1,0 +1,194 @@
+"""`RedisPipe`: one pipelined Redis connection for the scheduler's per-request scripts.
+
+Why not redis-py's asyncio client for these: measured on this machine, one `EVALSHA` of the quota
+script costs about 100 µs of the scheduler's CPU through redis-py (its stream reader, connection pool,
+retry and timeout wrappers, and pure-Python command packing) and 25 µs through this class (hiredis
+packs the command and parses the reply in C; replies are matched to callers in order on an
+`asyncio.Protocol`). The quota charge is the one Redis round trip of a placement decision, so that is a
+quarter of the decision's CPU (docs/SCHEDULER.md, "Decision latency").
+
+What it keeps of redis-py's behaviour, so callers handle failures the same way:
+* errors are redis-py's classes: `ConnectionError` when Redis cannot be reached or the connection
+  drops (every call in flight fails with it), `TimeoutError` when a reply takes longer than
+  ``timeout_s`` (the connection is then closed: a hung Redis must not hold later calls), and
+  `ResponseError` / `NoScriptError` for error replies;
+* a call after a failure connects again, so service resumes by itself when Redis is back;
+* replies are decoded as UTF-8 strings (``decode_responses=True``).
+
+A caller cancelled while its reply is on the way loses nothing: the reply is read in its turn and
+dropped, and the connection stays in step. Only ``redis://`` and ``unix://`` URLs are served
+(`supports`); other schemes (TLS) stay on redis-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import hiredis
+import redis.asyncio as aioredis
+from redis import exceptions as rx  # not the builtins of the same names
+from redis.connection import parse_url
+
+_Waiter = asyncio.Future[Any]
+Script = Callable[..., Awaitable[Any]]  # called as script(keys=[...], args=[...])
+
+
+class PipeScript:
+    """A Lua script run by its SHA1 (`EVALSHA`), loaded again when Redis does not know it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+def register_script(client: aioredis.Redis, pipe: RedisPipe | None, source: str) -> Script:
+    """``source`` as a script run through ``pipe`` if there is one, else through ``client`` (redis-py)."""
+    if pipe is None:
+        script = client.register_script(source)
+        return lambda keys, args: script(keys=keys, args=args)
+    piped = PipeScript(source)
+    return lambda keys, args: pipe.evalsha(piped, keys, args)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(encoding="utf-8")
+        self.waiters: collections.deque[_Waiter] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while True:
+            try:
+                reply = self.reader.gets()
+            except hiredis.ProtocolError as e:
+                self.close(rx.ConnectionError(f"Redis sent a malformed reply: {e}"))
+                return
+            if reply is False:
+                return
+            if not self.waiters:  # a reply nobody asked for: out of step, start again
+                self.close(rx.ConnectionError("Redis sent a reply nobody was waiting for"))
+                return
+            waiter = self.waiters.popleft()
+            if waiter.done():  # its caller gave up (cancelled or timed out): the reply is dropped
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                message = str(reply)
+                waiter.set_exception(rx.NoScriptError(message) if message.startswith("NOSCRIPT") else rx.ResponseError(message))
+            else:
+                waiter.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail_all(rx.ConnectionError(f"connection to Redis lost: {exc or 'closed by the server'}"))
+
+    def close(self, error: Exception) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._fail_all(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        waiters, self.waiters = self.waiters, collections.deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+
+
+class RedisPipe:
+    """One connection, many callers: each call writes its command at once and waits for its reply,
+    which Redis sends in order. Not a general client: the scheduler keeps redis-py for everything else
+    (pub/sub, scans, pipelines of many commands)."""
+
+    def __init__(self, url: str, timeout_s: float = 2.0, connect_timeout_s: float = 2.0) -> None:
+        if not self.supports(url):
+            raise ValueError(f"RedisPipe serves redis:// and unix:// URLs, not {url!r}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py, untyped
+        self._protocol: _Protocol | None = None
+        self._connecting = asyncio.Lock()
+
+    @staticmethod
+    def supports(url: str) -> bool:
+        return url.startswith(("redis://", "unix://"))
+
+    async def execute(self, *args: str | int | float | bytes) -> Any:
+        """One command's reply (``execute("GET", "key")``)."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost:
+            protocol = await self._connect()
+        return await self._send(protocol, args)
+
+    async def evalsha(self, script: PipeScript, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+        except rx.NoScriptError:  # a restarted or flushed Redis: load it and run it again
+            await self.execute("SCRIPT", "LOAD", script.source)
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def close(self) -> None:
+        if self._protocol is not None:
+            self._protocol.close(rx.ConnectionError("the pipe was closed"))
+            self._protocol = None
+
+    async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
+        assert protocol.transport is not None
+        loop = asyncio.get_running_loop()
+        waiter: _Waiter = loop.create_future()
+        protocol.waiters.append(waiter)
+        protocol.transport.write(hiredis.pack_command(args))
+        timer = loop.call_later(self.timeout_s, _expire, waiter)
+        try:
+            return await waiter
+        except _Expired:
+            # Redis did not answer in time: later replies cannot be trusted to come; start afresh.
+            protocol.close(rx.TimeoutError(f"Redis did not answer in {self.timeout_s:g} s"))
+            raise rx.TimeoutError(f"Redis did not answer {args[0]} in {self.timeout_s:g} s") from None
+        finally:
+            timer.cancel()
+
+    async def _connect(self) -> _Protocol:
+        async with self._connecting:
+            if self._protocol is not None and not self._protocol.lost:
+                return self._protocol  # another caller connected meanwhile
+            loop = asyncio.get_running_loop()
+            o = self._options
+            try:
+                if "path" in o:
+                    opening = loop.create_unix_connection(_Protocol, o["path"])
+                else:
+                    opening = loop.create_connection(_Protocol, o.get("host", "localhost"), o.get("port", 6379))
+                _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
+            except (OSError, TimeoutError) as e:  # the builtins
+                raise rx.ConnectionError(f"cannot reach Redis at {self.url}: {e}") from None
+            try:
+                if o.get("password"):
+                    auth = (o["username"], o["password"]) if o.get("username") else (o["password"],)
+                    await self._send(protocol, ("AUTH", *auth))
+                if o.get("db"):
+                    await self._send(protocol, ("SELECT", o["db"]))
+            except BaseException:
+                protocol.close(rx.ConnectionError("the connection's set-up failed"))
+                raise
+            self._protocol = protocol
+            return protocol
+
+
+class _Expired(Exception):
+    """A reply's time ran out (set on its waiter by the timer)."""
+
+
+def _expire(waiter: _Waiter) -> None:
+    if not waiter.done():
+        waiter.set_exception(_Expired())

@@ -1,0 +1,135 @@
+"""RedisPipe against a real redis-server: replies matched to callers, errors as redis-py raises
+them, cancellation and timeouts that keep the connection in step, and an outage it heals from."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from redis import exceptions as rx
+
+from scheduler.redis_pipe import PipeScript, RedisPipe
+from scheduler.redis_server import RedisServer
+
+pytestmark = pytest.mark.unit
+
+
+def test_commands_get_their_own_replies_when_many_are_in_flight(url: str) -> None:
+    async def body() -> None:
+        pipe = RedisPipe(url)
+        assert await pipe.execute("SET", "k", "v") == "OK"
+        assert await pipe.execute("GET", "k") == "v"
+        assert await pipe.execute("GET", "missing") is None
+        assert await pipe.execute("INCRBY", "n", 5) == 5
+        assert await pipe.execute("RPUSH", "l", "a", 1, 2.5) == 3
+        assert await pipe.execute("LRANGE", "l", 0, -1) == ["a", "1", "2.5"]
+        # 300 callers on one connection at once: each gets the reply to its own command.
+        replies = await asyncio.gather(*(pipe.execute("ECHO", f"call-{i}") for i in range(300)))
+        assert replies == [f"call-{i}" for i in range(300)]
+        await pipe.close()
+
+    asyncio.run(body())
+
+
+def test_an_error_reply_raises_and_the_connection_stays_usable(url: str) -> None:
+    async def body() -> None:
+        pipe = RedisPipe(url)
+        await pipe.execute("SET", "s", "text")
+        with pytest.raises(rx.ResponseError, match="not an integer"):
+            await pipe.execute("INCR", "s")
+        with pytest.raises(rx.ResponseError, match="unknown command"):
+            await pipe.execute("NOSUCHCOMMAND")
+        assert await pipe.execute("GET", "s") == "text"
+        await pipe.close()
+
+    asyncio.run(body())
+
+
+def test_a_script_redis_does_not_know_is_loaded_and_run(url: str, redis_client: redis.Redis) -> None:
+    script = PipeScript("return {KEYS[1], ARGV[1], redis.call('INCRBY', KEYS[1], ARGV[1])}")
+
+    async def body() -> None:
+        pipe = RedisPipe(url)
+        assert await pipe.evalsha(script, ["counter"], [3]) == ["counter", "3", 3]
+        redis_client.script_flush()  # as after a restart of Redis
+        assert await pipe.evalsha(script, ["counter"], [4]) == ["counter", "4", 7]
+        with pytest.raises(rx.ResponseError):  # a script error is the caller's, not a reload
+            await pipe.evalsha(PipeScript("return redis.call('INCR', KEYS[1], 'one too many')"), ["x"], [])
+        await pipe.close()
+
+    asyncio.run(body())
+
+
+def test_a_cancelled_caller_leaves_the_replies_in_step(url: str) -> None:
+    async def body() -> None:
+        pipe = RedisPipe(url)
+        blocked = asyncio.create_task(pipe.execute("BLPOP", "empty-list", 0.3))  # holds the connection 0.3 s
+        await asyncio.sleep(0.05)
+        after = asyncio.create_task(pipe.execute("ECHO", "after"))  # queued behind it on the connection
+        await asyncio.sleep(0.05)
+        blocked.cancel()  # its reply (nil) still comes, first: it must not go to the next caller
+        assert await after == "after"
+        assert await pipe.execute("ECHO", "again") == "again"
+        with pytest.raises(asyncio.CancelledError):
+            await blocked
+        await pipe.close()
+
+    asyncio.run(body())
+
+
+def test_a_reply_that_takes_too_long_times_out_and_the_next_call_reconnects(url: str) -> None:
+    async def body() -> None:
+        pipe = RedisPipe(url, timeout_s=0.2)
+        slow = asyncio.create_task(pipe.execute("BLPOP", "empty-list", 1))
+        await asyncio.sleep(0.02)
+        behind = asyncio.create_task(pipe.execute("ECHO", "behind"))
+        with pytest.raises(rx.TimeoutError, match="did not answer"):
+            await slow
+        with pytest.raises(rx.RedisError):  # its connection was given up: the call behind fails too
+            await behind
+        assert await pipe.execute("ECHO", "fresh") == "fresh"  # a new connection
+        await pipe.close()
+
+    asyncio.run(body())
+
+
+def test_an_outage_fails_the_calls_and_service_resumes_when_redis_is_back() -> None:
+    server = RedisServer().start()
+
+    async def body() -> None:
+        pipe = RedisPipe(server.url, timeout_s=1.0)
+        assert await pipe.execute("SET", "k", "1") == "OK"
+        in_flight = asyncio.create_task(pipe.execute("BLPOP", "empty-list", 5))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(server.kill)
+        with pytest.raises(rx.ConnectionError):
+            await in_flight
+        with pytest.raises(rx.ConnectionError, match="cannot reach Redis"):
+            await pipe.execute("GET", "k")
+        await asyncio.to_thread(server.start)
+        assert await pipe.execute("SET", "k", "2") == "OK"  # reconnected by itself
+        await pipe.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        server.stop()
+
+
+def test_the_url_names_the_database(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    other = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/3", decode_responses=True)
+    other.flushdb()
+
+    async def body() -> None:
+        pipe = RedisPipe(redis_server.url.rsplit("/", 1)[0] + "/3")
+        await pipe.execute("SET", "in-db-3", "yes")
+        await pipe.close()
+
+    asyncio.run(body())
+    assert other.get("in-db-3") == "yes" and redis_client.get("in-db-3") is None
+    other.flushdb()
+    other.close()
+    assert RedisPipe.supports("unix:///tmp/redis.sock") and not RedisPipe.supports("rediss://host:6380/0")
+    with pytest.raises(ValueError, match="redis:// and unix://"):
+        RedisPipe("rediss://host:6380/0")
