@@ -65,7 +65,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dict[str, float]:
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(address: str, scheduler_pid: int, quick: bool, log: Callable[[str], None]) -> dict[str, float]:
     import grpc
 
     from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -128,11 +134,13 @@ async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dic
         await streamed(request(n))
     client_ms: list[float] = []
     server_ms: list[float] = []
+    cpu0 = _cpu_seconds(scheduler_pid)
     for n in range(warm, warm + sequential):
         t0 = time.perf_counter()
         reply = await streamed(request(n))
         client_ms.append((time.perf_counter() - t0) * 1e3)
         server_ms.append(reply.decision_ms)
+    cpu_ms = (_cpu_seconds(scheduler_pid) - cpu0) * 1e3 / sequential
 
     duration = 1.0 if quick else 5.0
     concurrency = 32
@@ -161,7 +169,7 @@ async def _measure(address: str, quick: bool, log: Callable[[str], None]) -> dic
     return {
         "client_p50": statistics.median(client_ms), "client_p99": _percentile(client_ms, 99),
         "server_p50": statistics.median(server_ms), "server_p99": _percentile(server_ms, 99),
-        "rate": stream_rate, "unary_rate": unary_rate, "concurrency": concurrency, "sequential": sequential,
+        "cpu_ms": cpu_ms, "rate": stream_rate, "unary_rate": unary_rate, "concurrency": concurrency, "sequential": sequential,
     }
 
 
@@ -191,7 +199,7 @@ def run_section(quick: bool, command: str, threads: int | None, log: Callable[[s
             time.sleep(0.1)
         if two_cores:
             os.sched_setaffinity(0, {1})  # the client shares Redis's core, not the scheduler's
-        r = asyncio.run(_measure(address, quick, log))
+        r = asyncio.run(_measure(address, proc.pid, quick, log))
     finally:
         if proc is not None:
             proc.terminate()
@@ -222,6 +230,8 @@ def run_section(quick: bool, command: str, threads: int | None, log: Callable[[s
         f"| decision latency p50, client side (sequential, {r['sequential']:.0f} calls) | {r['client_p50']:.2f} ms | |",
         f"| decision latency p99, client side | {r['client_p99']:.2f} ms | < 2 ms: **{'met' if p99_ok else 'not met'}** |",
         f"| decision time p50 / p99, inside the scheduler | {r['server_p50']:.2f} / {r['server_p99']:.2f} ms | |",
+        f"| scheduler CPU per decision (sequential; with the heartbeats it handles meanwhile) | "
+        f"{r['cpu_ms']:.2f} ms | |",
         f"| decisions/s, {r['concurrency']:.0f} in flight on the gateway's `Calls` stream | {r['rate']:.0f} | "
         f"≥ 2,000: **{'met' if rate_ok else 'not met'}** |",
         f"| decisions/s, {r['concurrency']:.0f} in flight as unary `Place` calls (for comparison) | "
