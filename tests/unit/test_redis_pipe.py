@@ -4,13 +4,16 @@ them, cancellation and timeouts that keep the connection in step, and an outage 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import redis
 from redis import exceptions as rx
 
 from scheduler.redis_pipe import PipeScript, RedisPipe
-from scheduler.redis_server import RedisServer
+from scheduler.redis_server import RedisServer, redis_binary
 
 pytestmark = pytest.mark.unit
 
@@ -133,3 +136,26 @@ def test_the_url_names_the_database(redis_server: RedisServer, redis_client: red
     assert RedisPipe.supports("unix:///tmp/redis.sock") and not RedisPipe.supports("rediss://host:6380/0")
     with pytest.raises(ValueError, match="redis:// and unix://"):
         RedisPipe("rediss://host:6380/0")
+
+
+def test_a_unix_socket_url(tmp_path: Path) -> None:
+    socket_path = tmp_path / "redis.sock"
+    proc = subprocess.Popen([redis_binary(), "--port", "0", "--unixsocket", str(socket_path), "--save", "",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not socket_path.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+        async def body() -> str:
+            pipe = RedisPipe(f"unix://{socket_path}")
+            await pipe.execute("SET", "k", "over a unix socket")
+            reply: str = await pipe.execute("GET", "k")
+            await pipe.close()
+            return reply
+
+        assert asyncio.run(body()) == "over a unix socket"
+    finally:
+        proc.terminate()
+        proc.wait(5)
