@@ -12,6 +12,9 @@ Lua script, so two scheduler replicas can never both move the same lease. Keys, 
 * ``baton:leases:released`` / ``:expired`` / ``:aborted`` — ZSETs of finished ids scored by finish time,
   trimmed to the retention window (so they count exactly the finished leases still in Redis).
 * ``baton:leases:totals`` — HASH: how many leases ever entered each state (counters for metrics).
+* ``baton:lease-ended:{id}`` — STRING ``released`` | ``aborted``, for ``retention_s``: the end of a lease
+  reported before its pin. Reports travel as concurrent calls, so an end can reach Redis first; the pin
+  that follows then records the lease as ended at once instead of leaving it active until its TTL.
 
 Times are wall-clock seconds (``time.time()``) of whichever replica acts: replicas on different hosts
 share them, which a monotonic clock could not do; NTP skew is small next to lease TTLs.
@@ -51,24 +54,42 @@ _SOURCES: dict[LeaseState, tuple[LeaseState, ...]] = {
     LeaseState.ABORTED: (LeaseState.PINNED, LeaseState.PULLING),
 }
 
-# KEYS: lease hash, pinned zset, totals. ARGV: id, request, prefill, decode, blocks, now, expires_at, safety_ms
+# KEYS: lease hash, pinned zset, totals, end mark, released zset, aborted zset.
+# ARGV: id, request, prefill, decode, blocks, now, expires_at, safety_ms, retention cutoff, retention_ms.
+# An end (release/abort) reported before the pin left an end mark: the lease is recorded as ended at once
+# (returns 2), never as an active lease that only its TTL would end.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local ended = redis.call('GET', KEYS[4])
 redis.call('HSET', KEYS[1], 'lease_id', ARGV[1], 'request_id', ARGV[2], 'prefill_worker', ARGV[3],
-           'decode_worker', ARGV[4], 'num_blocks', ARGV[5], 'state', 'pinned', 'created_at', ARGV[6],
+           'decode_worker', ARGV[4], 'num_blocks', ARGV[5], 'state', ended or 'pinned', 'created_at', ARGV[6],
            'expires_at', ARGV[7], 'updated_at', ARGV[6])
+redis.call('HINCRBY', KEYS[3], 'pinned', 1)
+if ended then
+  local z = KEYS[6]
+  if ended == 'released' then z = KEYS[5] end
+  redis.call('DEL', KEYS[4])
+  redis.call('ZADD', z, ARGV[6], ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', z, '-inf', ARGV[9])
+  redis.call('PEXPIRE', KEYS[1], ARGV[10])
+  redis.call('HINCRBY', KEYS[3], ended, 1)
+  return 2
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[7], ARGV[1])
-redis.call('HINCRBY', KEYS[3], 'pinned', 1)
 return 1
 """
 
-# KEYS: lease hash, pinned zset, pulling zset, target zset, totals.
+# KEYS: lease hash, pinned zset, pulling zset, target zset, totals, end mark.
 # ARGV: id, target, now, retention cutoff, retention_ms, allowed source states…
+# The end of a lease not created yet (its pin is still on the way) leaves an end mark for `_CREATE`.
 # Starting a pull on an overdue lease is refused: the prefill worker may already have freed the blocks.
 _TRANSITION = """
 local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return 0 end
+if not state then
+  if ARGV[2] == 'released' or ARGV[2] == 'aborted' then redis.call('SET', KEYS[6], ARGV[2], 'PX', ARGV[5]) end
+  return 0
+end
 local allowed = false
 for i = 6, #ARGV do if ARGV[i] == state then allowed = true end end
 if not allowed then return 0 end
@@ -175,6 +196,9 @@ class LeaseLedger:
     def _lease_key(self, lease_id: str) -> str:
         return f"{self._prefix}lease:{lease_id}"
 
+    def _end_key(self, lease_id: str) -> str:
+        return f"{self._prefix}lease-ended:{lease_id}"
+
     def _state_key(self, state: LeaseState) -> str:
         return f"{self._prefix}leases:{state.value}"
 
@@ -187,12 +211,18 @@ class LeaseLedger:
         expires_at = now + ttl_s
         safety_ms = round((ttl_s + self.retention_s) * 1000)
         ok = await self._create(
-            keys=[self._lease_key(lease_id), self._state_key(LeaseState.PINNED), self._totals],
+            keys=[self._lease_key(lease_id), self._state_key(LeaseState.PINNED), self._totals,
+                  self._end_key(lease_id), self._state_key(LeaseState.RELEASED), self._state_key(LeaseState.ABORTED)],
             args=[lease_id, request_id, prefill_worker, decode_worker, num_blocks, repr(now), repr(expires_at),
-                  safety_ms])
+                  safety_ms, repr(now - self.retention_s), self._retention_ms])
         if not ok:
             log.warning("lease %s for request %s already exists", lease_id, request_id)
             return None
+        if ok == 2:  # its end was reported first
+            lease = await self.get(lease_id)
+            log.info("lease %s of request %s pinned after its end was reported: recorded as %s", lease_id,
+                     request_id, lease.state.value if lease is not None else "ended")
+            return lease
         log.info("lease %s pinned: request %s, %d blocks on %s for %s, ttl %.1fs", lease_id, request_id,
                  num_blocks, prefill_worker, decode_worker, ttl_s)
         return Lease(lease_id, request_id, prefill_worker, decode_worker, num_blocks, LeaseState.PINNED,
@@ -202,7 +232,8 @@ class LeaseLedger:
         now = time.time() if now is None else now
         ok = await self._transition(
             keys=[self._lease_key(lease_id), self._state_key(LeaseState.PINNED),
-                  self._state_key(LeaseState.PULLING), self._state_key(target), self._totals],
+                  self._state_key(LeaseState.PULLING), self._state_key(target), self._totals,
+                  self._end_key(lease_id)],
             args=[lease_id, target.value, repr(now), repr(now - self.retention_s), self._retention_ms,
                   *(source.value for source in _SOURCES[target])])
         if ok:
@@ -216,7 +247,8 @@ class LeaseLedger:
         return await self._move(lease_id, LeaseState.PULLING, now)
 
     async def release(self, lease_id: str, now: float | None = None) -> bool:
-        """PINNED | PULLING → RELEASED: the decode worker has the blocks (or needed none of them)."""
+        """PINNED | PULLING → RELEASED: the decode worker has the blocks (or needed none of them). False if
+        the lease is not there yet (its pin is on the way: it will be recorded as released) or has ended."""
         return await self._move(lease_id, LeaseState.RELEASED, now)
 
     async def abort(self, lease_id: str, now: float | None = None) -> bool:

@@ -216,11 +216,13 @@ class CallStream:
         self._pending: dict[int, tuple[asyncio.Future[scheduler_pb2.SchedulerReply], Undo | None]] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    async def call(self, timeout_s: float, undo: Undo | None = None, **call: Any) -> Any:
+    async def call(self, timeout_s: float, undo: Undo | None = None, withdraw: bool = True, **call: Any) -> Any:
         """Sends one call (``place=...``, ``finish=...``, ...) and returns its reply message; a failure
         is raised as the error the client sees. Cancelled or timed out, the call is abandoned on the
         scheduler (a waiting Place leaves the queue, its quota returned); if it succeeds there all the
-        same (its reply crossed the abandon), ``undo`` gets the reply, to give back what it took."""
+        same (its reply crossed the abandon), ``undo`` gets the reply, to give back what it took.
+        ``withdraw`` False: a call given up is only no longer waited for; the scheduler still runs it
+        (a report: Finish, ReportLease and Cancel are idempotent and must land however late)."""
         outbox = self._open()
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
@@ -231,7 +233,7 @@ class CallStream:
         try:
             answer = await reply
         except (asyncio.CancelledError, _Expired) as e:
-            if call_id in self._pending:  # no reply yet: the scheduler undoes it (or its reply is undone)
+            if withdraw and call_id in self._pending:  # no reply yet: the scheduler undoes it (or its reply is undone)
                 outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, abandon=True))
             if isinstance(e, _Expired):
                 raise Unavailable(f"the scheduler {self.address} did not answer in time") from None
@@ -347,6 +349,8 @@ class SchedulerRouter:
             prefill_worker=lease.prefill_worker, decode_worker=lease.decode_worker, num_blocks=lease.num_blocks,
             ttl_s=lease.ttl_s,
         )
+        # The scheduler runs a stream's calls as concurrent tasks, so this lease's end may reach Redis
+        # before its pin; the ledger records such a lease as ended when the pin lands (scheduler.leases).
         self._report(self._call(f"ReportLease({event})", lease.request_id, report_lease=request))
 
     def cancel(self, request_id: str, reason: str) -> asyncio.Task[bool] | None:
@@ -357,7 +361,7 @@ class SchedulerRouter:
 
     async def _call(self, name: str, request_id: str, **call: Any) -> bool:
         try:
-            await self._calls.call(REPORT_TIMEOUT_S, **call)
+            await self._calls.call(REPORT_TIMEOUT_S, withdraw=False, **call)
         except ServingError as e:
             log.info("request %s: scheduler %s failed: %s %s", request_id, name, e.grpc_code, e.message)
             return False

@@ -397,3 +397,77 @@ async def _both(depth: Awaitable[int], free: Awaitable[bool]) -> bool:
     """The fair queue is empty and the quota free (both read every time)."""
     empty, quota_free = await depth == 0, await free
     return empty and quota_free
+
+
+def test_a_lease_ends_even_when_its_pin_lands_after_its_end_was_sent(redis_server: Any, tiny_llama: Path) -> None:
+    """The gateway reports a lease's pin and, as soon as the decode worker streams (or fails), its end:
+    two fire-and-forget calls on one `Calls` stream, which the scheduler runs as concurrent tasks. A pin
+    whose Redis write is slow (e.g. on a connection the pool had to open) lands after the end; the lease
+    must still end, not stay active until its TTL (a likely cause of the failover test's unsettled
+    ledger in one CI run): the ledger records the early end and the pin then records an ended lease."""
+    from scheduler.leases import LeaseState
+    from services.placement import LeaseReport, SchedulerRouter
+
+    async def body(c: Cluster) -> None:
+        await c.start_scheduler(heartbeat_timeout_s=2.0)
+        assert c.scheduler is not None
+        servicer = c.scheduler.servicer
+        real_create = servicer.leases.create
+
+        async def slow_create(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.3)  # this call's Redis round trip is slower than the next call's
+            return await real_create(*args, **kwargs)
+
+        servicer.leases.create = slow_create  # type: ignore[method-assign]
+        router = SchedulerRouter(c.scheduler.address)
+        try:
+            for event in ("released", "aborted"):
+                lease = LeaseReport(f"lease-{event}", f"req-{event}", "p:1", "d:1", 4, 30.0)
+                router.report_lease("pinned", lease)
+                await asyncio.sleep(0.01)  # D pulled the KV (or failed to) at once
+                router.report_lease(event, lease)  # type: ignore[arg-type]
+            await asyncio.wait(router._background)
+            counts = await servicer.leases.counts()
+            assert counts[LeaseState.PINNED] == 0, counts
+            assert counts[LeaseState.RELEASED] == 1 and counts[LeaseState.ABORTED] == 1, counts
+        finally:
+            servicer.leases.create = real_create  # type: ignore[method-assign]
+            await router.close()
+
+    run(redis_server, tiny_llama, body)
+
+
+def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_llama: Path) -> None:
+    """Finish (and ReportLease, Cancel) are fire-and-forget and idempotent: one the scheduler is slow to
+    run is not withdrawn when the gateway stops waiting for it (an abandoned Finish left the tenant's
+    concurrency slot taken until the quota's request TTL, an hour)."""
+    from scheduler.tenants import TenantConfig
+    from services.placement import REPORT_TIMEOUT_S, Route, SchedulerRouter
+
+    async def body(c: Cluster) -> None:
+        await c.start_scheduler(heartbeat_timeout_s=2.0)
+        assert c.scheduler is not None
+        servicer = c.scheduler.servicer
+        solo = TenantConfig("solo", max_concurrent=4)
+        await servicer.tenants.add_tenant(solo)
+        await servicer.quota.admit(solo, "r1", 10, 4, 1)  # as its Place did
+        real_get = servicer.tenants.get_tenant
+
+        async def slow_get(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(REPORT_TIMEOUT_S + 0.5)  # the scheduler is busy: past the report timeout
+            return await real_get(*args, **kwargs)
+
+        servicer.tenants.get_tenant = slow_get  # type: ignore[method-assign]
+        router = SchedulerRouter(c.scheduler.address)
+        try:
+            router.finish("r1", Route(decode="d:1", tenant="solo"), 10, 4)
+
+            async def quota_free() -> bool:
+                return (await servicer.quota.usage(solo)).concurrent == 0
+
+            await eventually(quota_free, timeout_s=REPORT_TIMEOUT_S + 5)
+        finally:
+            servicer.tenants.get_tenant = real_get  # type: ignore[method-assign]
+            await router.close()
+
+    run(redis_server, tiny_llama, body)
