@@ -17,7 +17,8 @@ import pytest
 
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.server import SchedulerServer, serve_scheduler
-from scheduler.service import ClusterSchedulerConfig
+from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
+from scheduler.tenants import TenantConfig
 from services.worker import WorkerServer, serve_worker
 from services.worker_config import WorkerConfig
 
@@ -84,6 +85,14 @@ def run(redis_server: Any, tiny_llama: Path, body: Callable[[Cluster], Awaitable
 
     asyncio.run(main())
 
+
+async def with_solo_tenant(c: Cluster, max_concurrent: int) -> tuple[SchedulerServicer, TenantConfig]:
+    """Starts the scheduler and adds tenant "solo" with at most ``max_concurrent`` requests in flight."""
+    await c.start_scheduler(heartbeat_timeout_s=2.0)
+    assert c.scheduler is not None
+    solo = TenantConfig("solo", max_concurrent=max_concurrent)
+    await c.scheduler.servicer.tenants.add_tenant(solo)
+    return c.scheduler.servicer, solo
 
 def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server: Any, tiny_llama: Path) -> None:
     async def body(c: Cluster) -> None:
@@ -296,7 +305,6 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
     gives up — cancelled, or its whole stream gone with the gateway — leaves the fair queue with its
     quota returned."""
     from core.errors import CapacityExceeded, InvalidRequest, Unauthenticated, Unavailable
-    from scheduler.tenants import TenantConfig
     from services.placement import RouteQuery, SchedulerRouter
 
     def query(rid: str, key: str = "key-solo", prompt: list[int] | None = None) -> RouteQuery:
@@ -304,11 +312,8 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
                           max_tokens=4)
 
     async def body(c: Cluster) -> None:
-        await c.start_scheduler(heartbeat_timeout_s=2.0)
+        servicer, solo = await with_solo_tenant(c, max_concurrent=1)
         assert c.scheduler is not None
-        servicer = c.scheduler.servicer
-        solo = TenantConfig("solo", max_concurrent=1)
-        await servicer.tenants.add_tenant(solo)
         await servicer.tenants.add_api_key("key-solo", "solo")
         d_addr, _ = await c.start_worker("decode")
         router = SchedulerRouter(c.scheduler.address)
@@ -441,15 +446,11 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
     """Finish (and ReportLease, Cancel) are fire-and-forget and idempotent: one the scheduler is slow to
     run is not withdrawn when the gateway stops waiting for it (an abandoned Finish left the tenant's
     concurrency slot taken until the quota's request TTL, an hour)."""
-    from scheduler.tenants import TenantConfig
     from services.placement import REPORT_TIMEOUT_S, Route, SchedulerRouter
 
     async def body(c: Cluster) -> None:
-        await c.start_scheduler(heartbeat_timeout_s=2.0)
+        servicer, solo = await with_solo_tenant(c, max_concurrent=4)
         assert c.scheduler is not None
-        servicer = c.scheduler.servicer
-        solo = TenantConfig("solo", max_concurrent=4)
-        await servicer.tenants.add_tenant(solo)
         await servicer.quota.admit(solo, "r1", 10, 4, 1)  # as its Place did
         real_get = servicer.tenants.get_tenant
 
