@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
-from baton.v1 import scheduler_pb2_grpc
+from core.grpc_service import add_servicer
 from scheduler import metrics
 from scheduler.leases import LeaseState
 from scheduler.redis_pipe import RedisPipe
@@ -89,7 +89,7 @@ async def serve_scheduler(
     await servicer.ensure_default_tenant()
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    add_servicer(servicer, server, pb.DESCRIPTOR.services_by_name["Scheduler"])  # malformed → INVALID_ARGUMENT
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.errors import InvalidRequest, KVIncompatible, KVTransferFailed, RequestAborted, ServingError
+from core.grpc_service import add_servicer
 from decode_worker.handoff import DecodeHandoff
 from engine.async_engine import AsyncEngine, OutputStream
 from engine.config import EngineConfig
@@ -388,7 +389,7 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
         aengine.service_hooks.append(prefill.service)
     servicer = WorkerServicer(config, aengine, transport, address, prefill, decode)
     aengine.on_abort = servicer.metrics.aborted
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    add_servicer(servicer, server, worker_pb2.DESCRIPTOR.services_by_name["Worker"])  # malformed → INVALID_ARGUMENT
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

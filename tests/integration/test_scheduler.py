@@ -472,3 +472,54 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
             await router.close()
 
     run(redis_server, tiny_llama, body)
+
+
+def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_server: Any, tiny_llama: Path) -> None:
+    """A request protobuf cannot decode (a string that is not UTF-8, a corrupt wire format) is the
+    caller's error, INVALID_ARGUMENT with the reason, on every kind of call of the scheduler and the
+    workers (core.grpc_service); grpc alone answers UNKNOWN, as for a server fault."""
+    not_utf8 = b"\x0a\x02\xff\xfe"  # field 1, a string in every request type here: 2 bytes, not UTF-8
+    corrupt = b"\x0a\x10\x01"  # field 1 says 16 bytes follow; 1 does
+
+    async def refused(call: Any) -> str:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        return str(e.value.details())
+
+    async def body(c: Cluster) -> None:
+        sched = await c.start_scheduler(heartbeat_timeout_s=2.0)
+        assert c.scheduler is not None
+        d_addr, d_stub = await c.start_worker("decode")
+        channel = grpc.aio.insecure_channel(c.scheduler.address)
+        assert "PlaceRequest" in await refused(channel.unary_unary("/baton.v1.Scheduler/Place")(not_utf8))
+        assert "HeartbeatRequest" in await refused(channel.unary_unary("/baton.v1.Scheduler/Heartbeat")(corrupt))
+
+        async def calls_stream() -> None:  # a good batch is answered; the malformed one ends the stream
+            call = channel.stream_stream("/baton.v1.Scheduler/Calls")()
+            good = scheduler_pb2.SchedulerCalls(calls=[scheduler_pb2.SchedulerCall(
+                call_id=1, cancel=scheduler_pb2.SchedulerCancelRequest(request_id="nobody"))])
+            await call.write(good.SerializeToString())
+            reply = scheduler_pb2.SchedulerReplies.FromString(await call.read())
+            assert [r.call_id for r in reply.replies] == [1]
+            await call.write(corrupt)
+            await call.read()
+
+        assert "SchedulerCalls" in await refused(calls_stream())
+
+        worker = grpc.aio.insecure_channel(d_addr)
+        assert "InfoRequest" in await refused(worker.unary_unary("/baton.v1.Worker/Info")(corrupt))
+
+        async def decode() -> None:
+            async for _ in worker.unary_stream("/baton.v1.Worker/Decode")(not_utf8):
+                raise AssertionError("a malformed Decode streamed")
+
+        assert "DecodeRequest" in await refused(decode())
+        # Both still serve.
+        placed = await sched.Place(scheduler_pb2.PlaceRequest(request_id="ok", prompt_token_ids=[5] * 8, max_tokens=2))
+        assert placed.decode_worker == d_addr
+        assert (await d_stub.Info(worker_pb2.InfoRequest())).model
+        await channel.close()
+        await worker.close()
+
+    run(redis_server, tiny_llama, body)
