@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -17,6 +16,7 @@ from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
 from core.grpc_service import add_servicer
+from core.signals import stop_requested
 from scheduler import metrics
 from scheduler.leases import LeaseState
 from scheduler.redis_pipe import RedisPipe
@@ -167,10 +167,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_signal(config: ClusterSchedulerConfig, metrics_port: int | None, max_tenants: int) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     server = await serve_scheduler(config, metrics_port, max_tenants)
     print(f"baton scheduler serving on {server.address} (redis {config.redis_url})", flush=True)
     if server.metrics_url:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
+from core.signals import stop_requested
 from core.units import parse_bytes
 from engine.tokenizer import Tokenizer
 from scheduler.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
@@ -362,10 +362,7 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
 
 
 async def _serve_until_signal(config: GatewayConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     gateway = await serve_gateway(config)
     await stop.wait()
     await gateway.stop()

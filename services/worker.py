@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.errors import InvalidRequest, KVIncompatible, KVTransferFailed, RequestAborted, ServingError
 from core.grpc_service import add_servicer
+from core.signals import stop_requested
 from decode_worker.handoff import DecodeHandoff
 from engine.async_engine import AsyncEngine, OutputStream
 from engine.config import EngineConfig
@@ -420,10 +420,7 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
 
 async def serve_until_signal(config: WorkerConfig) -> None:
     """`baton worker`: serves until SIGINT or SIGTERM, then stops cleanly."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_requested()
     worker = await serve_worker(config)
     print(f"baton worker ({config.role}) serving on {worker.address}", flush=True)
     if worker.metrics_url:
