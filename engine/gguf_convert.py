@@ -8,8 +8,6 @@ Run `python -m engine.gguf_convert [--out DIR]` to prepare it ahead of time.
 from __future__ import annotations
 
 import argparse
-import functools
-import hashlib
 import importlib.util
 import json
 import logging
@@ -28,6 +26,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from core.errors import ModelLoadError
+from engine.digests import cache_root, file_sha256
 from engine.gguf_reader import GGUFFile
 from engine.tokenizer import build_gguf_tokenizer, gguf_tokenizer_config
 
@@ -264,15 +263,6 @@ def default_gguf_path() -> Path:
     return path
 
 
-def cache_root(env: Mapping[str, str] = os.environ) -> Path:
-    """Baton's cache: $BATON_CACHE_DIR, else $XDG_CACHE_HOME/baton, else ~/.cache/baton."""
-    if env.get("BATON_CACHE_DIR"):
-        return Path(env["BATON_CACHE_DIR"])
-    if env.get("XDG_CACHE_HOME"):
-        return Path(env["XDG_CACHE_HOME"]) / "baton"
-    return Path.home() / ".cache" / "baton"
-
-
 def default_model_dir() -> Path:
     """Where the converted default model lives: <cache>/models/smollm2-135m-instruct-<sha256[:12]>."""
     return gguf_cache_dir(default_gguf_path(), DEFAULT_MODEL_SLUG)
@@ -282,21 +272,11 @@ def gguf_cache_dir(gguf_path: str | Path, slug: str | None = None) -> Path:
     """<cache>/models/<slug>-<first 12 hex of the file's sha256>; slug defaults to the file's stem."""
     path = Path(gguf_path)
     try:
-        stat = path.stat()
+        digest = file_sha256(path)
     except OSError as e:
         raise ModelLoadError(f"GGUF file not found: {path}") from e
     slug = slug or re.sub(r"[^a-z0-9.]+", "-", path.stem.lower()).strip("-")
-    return cache_root() / "models" / f"{slug}-{_file_digest(str(path), stat.st_size, stat.st_mtime_ns)}"
-
-
-@functools.cache
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    # size and mtime are part of the key only so that a replaced file is hashed again (~0.15 s).
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()[:12]
+    return cache_root() / "models" / f"{slug}-{digest[:12]}"
 
 
 def is_converted(model_dir: Path) -> bool:

@@ -6,13 +6,11 @@ Single-threaded by design (a worker runs it on its own engine thread). ``step()`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -24,6 +22,7 @@ from core.sampling_params import SamplingParams
 from core.step_scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.digests import model_digest
 from engine.loader import load_model, resolve_model_dir
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, kv_block_bytes
@@ -31,14 +30,6 @@ from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def model_digest(model_dir: Path) -> str:
-    """A cheap identity of a checkpoint: its config plus the names and sizes of its weight files."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass(slots=True)
