@@ -12,7 +12,8 @@ What it keeps of redis-py's behaviour, so callers handle failures the same way:
   drops (every call in flight fails with it), `TimeoutError` when a reply takes longer than
   ``timeout_s`` (the connection is then closed: a hung Redis must not hold later calls), and
   `ResponseError` / `NoScriptError` for error replies;
-* a call after a failure connects again, so service resumes by itself when Redis is back;
+* a call after a failure connects again, so service resumes by itself when Redis is back; callers
+  that arrive while an attempt is under way share it (a partition costs each one connect timeout);
 * replies are decoded as UTF-8 strings (``decode_responses=True``).
 
 A caller cancelled while its reply is on the way loses nothing: the reply is read in its turn and
@@ -117,7 +118,7 @@ class RedisPipe:
         self.connect_timeout_s = connect_timeout_s
         self._options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py, untyped
         self._protocol: _Protocol | None = None
-        self._connecting = asyncio.Lock()
+        self._opening: asyncio.Future[_Protocol] | None = None  # the connection attempt under way
 
     @staticmethod
     def supports(url: str) -> bool:
@@ -159,30 +160,42 @@ class RedisPipe:
             timer.cancel()
 
     async def _connect(self) -> _Protocol:
-        async with self._connecting:
-            if self._protocol is not None and not self._protocol.lost:
-                return self._protocol  # another caller connected meanwhile
-            loop = asyncio.get_running_loop()
-            o = self._options
-            try:
-                if "path" in o:
-                    opening = loop.create_unix_connection(_Protocol, o["path"])
-                else:
-                    opening = loop.create_connection(_Protocol, o.get("host", "localhost"), o.get("port", 6379))
-                _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
-            except (OSError, TimeoutError) as e:  # the builtins
-                raise rx.ConnectionError(f"cannot reach Redis at {self.url}: {e}") from None
-            try:
-                if o.get("password"):
-                    auth = (o["username"], o["password"]) if o.get("username") else (o["password"],)
-                    await self._send(protocol, ("AUTH", *auth))
-                if o.get("db"):
-                    await self._send(protocol, ("SELECT", o["db"]))
-            except BaseException:
-                protocol.close(rx.ConnectionError("the connection's set-up failed"))
-                raise
-            self._protocol = protocol
-            return protocol
+        """The connection, opened if there is none. Callers that find an attempt under way share its
+        outcome: during an outage each waits for one attempt at most, not for every caller's before it."""
+        opening = self._opening
+        if opening is None:
+            opening = self._opening = asyncio.ensure_future(self._open())
+            opening.add_done_callback(self._opened)
+        return await asyncio.shield(opening)  # one caller given up does not give up the others' attempt
+
+    def _opened(self, opening: asyncio.Future[_Protocol]) -> None:
+        if self._opening is opening:
+            self._opening = None
+        if not opening.cancelled():
+            opening.exception()  # retrieved: every caller of it may have given up
+
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        o = self._options
+        try:
+            if "path" in o:
+                opening = loop.create_unix_connection(_Protocol, o["path"])
+            else:
+                opening = loop.create_connection(_Protocol, o.get("host", "localhost"), o.get("port", 6379))
+            _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
+        except (OSError, TimeoutError) as e:  # the builtins
+            raise rx.ConnectionError(f"cannot reach Redis at {self.url}: {e or type(e).__name__}") from None
+        try:
+            if o.get("password"):
+                auth = (o["username"], o["password"]) if o.get("username") else (o["password"],)
+                await self._send(protocol, ("AUTH", *auth))
+            if o.get("db"):
+                await self._send(protocol, ("SELECT", o["db"]))
+        except BaseException:
+            protocol.close(rx.ConnectionError("the connection's set-up failed"))
+            raise
+        self._protocol = protocol
+        return protocol
 
 
 class _Expired(Exception):

@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -159,3 +160,29 @@ def test_a_unix_socket_url(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(5)
+
+
+def test_callers_during_an_outage_share_one_connection_attempt() -> None:
+    """A partitioned network (connects that hang until their timeout) cannot be made on this machine:
+    `_open` is replaced by one that takes 0.3 s to fail. 20 callers then fail together after one
+    attempt, not one after another (20 × 0.3 s); one caller giving up does not end the attempt."""
+    class Partitioned(RedisPipe):
+        attempts = 0
+
+        async def _open(self) -> Any:
+            Partitioned.attempts += 1
+            await asyncio.sleep(0.3)
+            raise rx.ConnectionError("cannot reach Redis: timed out")
+
+    async def body() -> float:
+        pipe = Partitioned("redis://10.255.255.1:6379/0")
+        impatient = asyncio.create_task(pipe.execute("GET", "k"))
+        await asyncio.sleep(0.05)
+        impatient.cancel()
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(pipe.execute("GET", "k") for _ in range(20)), return_exceptions=True)
+        assert all(isinstance(r, rx.ConnectionError) for r in results), results
+        return time.monotonic() - t0
+
+    took = asyncio.run(body())
+    assert Partitioned.attempts == 1 and took < 1.0, (Partitioned.attempts, took)
