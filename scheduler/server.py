@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
-from core.grpc_service import add_servicer
 from core.signals import stop_requested
 from scheduler import metrics
+from scheduler.grpc_service import add_servicer
 from scheduler.leases import LeaseState
 from scheduler.redis_pipe import RedisPipe
 from scheduler.service import ClusterSchedulerConfig, SchedulerServicer

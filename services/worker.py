@@ -24,7 +24,6 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.errors import InvalidRequest, KVIncompatible, KVTransferFailed, RequestAborted, ServingError
-from core.grpc_service import add_servicer
 from core.signals import stop_requested
 from decode_worker.handoff import DecodeHandoff
 from engine.async_engine import AsyncEngine, OutputStream
@@ -32,6 +31,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from kv_transfer.transport import KVTransport, make_transport
 from prefill_worker.handoff import PrefillHandoff, kv_layout
+from scheduler.grpc_service import add_servicer
 from scheduler.metrics import MetricsEndpoint
 from services.convert import (
     FINISH_TO_PB,

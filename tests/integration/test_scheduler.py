@@ -477,7 +477,7 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
 def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_server: Any, tiny_llama: Path) -> None:
     """A request protobuf cannot decode (a string that is not UTF-8, a corrupt wire format) is the
     caller's error, INVALID_ARGUMENT with the reason, on every kind of call of the scheduler and the
-    workers (core.grpc_service); grpc alone answers UNKNOWN, as for a server fault."""
+    workers (scheduler.grpc_service); grpc alone answers UNKNOWN, as for a server fault."""
     not_utf8 = b"\x0a\x02\xff\xfe"  # field 1, a string in every request type here: 2 bytes, not UTF-8
     corrupt = b"\x0a\x10\x01"  # field 1 says 16 bytes follow; 1 does
 

@@ -5,7 +5,8 @@ The generated ``add_*Servicer_to_server`` functions pass each request's bytes to
 grpc turns the DecodeError of a malformed message (a string field that is not UTF-8, a corrupt wire
 format) into UNKNOWN: a bad request reported as a server fault. Here the deserializer hands the
 handler a marker instead, and the handler aborts with INVALID_ARGUMENT before the servicer's method
-runs; for a request stream, at the message that failed. Used by the scheduler and the workers; the
+runs; for a request stream, at the message that failed. Used by the scheduler and the workers (it lives
+here, the lowest layer that serves gRPC: `core` imports only the standard library); the
 gateway, whose clients are outside the cluster, names the offending field too (services.gateway_servicer).
 """
 
