@@ -74,6 +74,8 @@ class _Protocol(asyncio.Protocol):
             except hiredis.ProtocolError as e:
                 self.close(rx.ConnectionError(f"Redis sent a malformed reply: {e}"))
                 return
+            except UnicodeDecodeError as e:  # that reply alone is consumed and fails; the rest stay in step
+                reply = rx.ResponseError(f"Redis replied with bytes that are not UTF-8 text: {e}")
             if reply is False:
                 return
             if not self.waiters:  # a reply nobody asked for: out of step, start again
@@ -85,6 +87,8 @@ class _Protocol(asyncio.Protocol):
             if isinstance(reply, hiredis.ReplyError):
                 message = str(reply)
                 waiter.set_exception(rx.NoScriptError(message) if message.startswith("NOSCRIPT") else rx.ResponseError(message))
+            elif isinstance(reply, rx.ResponseError):
+                waiter.set_exception(reply)
             else:
                 waiter.set_result(reply)
 
@@ -119,6 +123,7 @@ class RedisPipe:
         self._options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py, untyped
         self._protocol: _Protocol | None = None
         self._opening: asyncio.Future[_Protocol] | None = None  # the connection attempt under way
+        self._closed = False
 
     @staticmethod
     def supports(url: str) -> bool:
@@ -126,6 +131,8 @@ class RedisPipe:
 
     async def execute(self, *args: str | int | float | bytes) -> Any:
         """One command's reply (``execute("GET", "key")``)."""
+        if self._closed:
+            raise rx.ConnectionError("the pipe was closed")
         protocol = self._protocol
         if protocol is None or protocol.lost:
             protocol = await self._connect()
@@ -139,16 +146,24 @@ class RedisPipe:
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
 
     async def close(self) -> None:
+        """Fails the calls in flight and refuses later ones (a connection being opened is closed once open)."""
+        self._closed = True
         if self._protocol is not None:
             self._protocol.close(rx.ConnectionError("the pipe was closed"))
             self._protocol = None
 
     async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
         assert protocol.transport is not None
+        try:
+            command = hiredis.pack_command(args)  # before the waiter joins the queue: a bad argument fails
+        except TypeError as e:  # this call alone (redis-py raises DataError for such arguments too)
+            raise rx.DataError(f"a Redis argument must be str, bytes, int or float: {e}") from None
+        if protocol.lost:  # lost while this caller waited for it: no reply would ever come
+            raise rx.ConnectionError("connection to Redis lost")
         loop = asyncio.get_running_loop()
         waiter: _Waiter = loop.create_future()
         protocol.waiters.append(waiter)
-        protocol.transport.write(hiredis.pack_command(args))
+        protocol.transport.write(command)
         timer = loop.call_later(self.timeout_s, _expire, waiter)
         try:
             return await waiter
@@ -194,6 +209,9 @@ class RedisPipe:
         except BaseException:
             protocol.close(rx.ConnectionError("the connection's set-up failed"))
             raise
+        if self._closed:  # closed while connecting
+            protocol.close(rx.ConnectionError("the pipe was closed"))
+            raise rx.ConnectionError("the pipe was closed")
         self._protocol = protocol
         return protocol
 

@@ -186,3 +186,33 @@ def test_callers_during_an_outage_share_one_connection_attempt() -> None:
 
     took = asyncio.run(body())
     assert Partitioned.attempts == 1 and took < 1.0, (Partitioned.attempts, took)
+
+
+def test_a_bad_argument_fails_its_own_call_only(url: str) -> None:
+    async def body() -> None:
+        pipe = RedisPipe(url)
+        await pipe.execute("SET", "a", "A")
+        await pipe.execute("SET", "b", "B")
+        bad = asyncio.create_task(pipe.execute("SET", "x", True))  # type: ignore[arg-type]
+        replies = await asyncio.gather(pipe.execute("GET", "a"), pipe.execute("GET", "b"))
+        with pytest.raises(rx.DataError, match="str, bytes, int or float"):
+            await bad
+        assert replies == ["A", "B"]  # each caller still gets its own reply
+        await pipe.close()
+
+    asyncio.run(body())
+
+
+def test_a_closed_pipe_refuses_calls_also_when_closed_while_connecting(url: str) -> None:
+    async def body() -> None:
+        pipe = RedisPipe(url)
+        connecting = asyncio.create_task(pipe.execute("PING"))
+        await asyncio.sleep(0)  # the attempt to connect is under way
+        await pipe.close()
+        with pytest.raises(rx.ConnectionError, match="closed"):
+            await connecting
+        with pytest.raises(rx.ConnectionError, match="closed"):
+            await pipe.execute("PING")
+        assert pipe._protocol is None  # nothing left open
+
+    asyncio.run(body())
