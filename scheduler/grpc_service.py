@@ -12,6 +12,7 @@ gateway, whose clients are outside the cluster, names the offending field too (s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ def _deserializer(cls: type[Message]) -> Callable[[bytes], Any]:
     def deserialize(data: bytes) -> Message | _Undecodable:
         try:
             return cls.FromString(data)
-        except DecodeError as e:
+        except (DecodeError, UnicodeDecodeError) as e:  # the latter from the pure-Python backend
             return _Undecodable(f"malformed request: {e}")  # protobuf names the message type
 
     return deserialize
@@ -68,8 +69,9 @@ def _handler(method: MethodDescriptor, behaviour: Callable[..., Any]) -> grpc.Rp
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, _Undecodable):
                 await _refuse(context, request)
-            async for response in behaviour(request, context):
-                yield response
+            async with contextlib.aclosing(behaviour(request, context)) as responses:  # its finally runs now
+                async for response in responses:
+                    yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=decode,
                                                     response_serializer=encode)
@@ -81,8 +83,9 @@ def _handler(method: MethodDescriptor, behaviour: Callable[..., Any]) -> grpc.Rp
                                                     response_serializer=encode)
 
     async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for response in behaviour(_checked(requests, context), context):
-            yield response
+        async with contextlib.aclosing(behaviour(_checked(requests, context), context)) as responses:
+            async for response in responses:
+                yield response
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=decode,
                                                  response_serializer=encode)
