@@ -273,8 +273,10 @@ def gguf_cache_dir(gguf_path: str | Path, slug: str | None = None) -> Path:
     path = Path(gguf_path)
     try:
         digest = file_sha256(path)
-    except OSError as e:
+    except FileNotFoundError as e:
         raise ModelLoadError(f"GGUF file not found: {path}") from e
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the GGUF file {path}: {e}") from e
     slug = slug or re.sub(r"[^a-z0-9.]+", "-", path.stem.lower()).strip("-")
     return cache_root() / "models" / f"{slug}-{digest[:12]}"
 
