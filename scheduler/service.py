@@ -197,8 +197,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         if not request.resume:
             try:
                 await self.quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
-            except asyncio.CancelledError:  # given up mid-call: the charge may have landed; finish is idempotent
-                await asyncio.shield(self.quota.finish(tenant, request.request_id, len(ids), 0))
+            except (asyncio.CancelledError, RedisError):
+                # Given up mid-call, or the reply lost (a timeout, a dropped connection): the charge may
+                # have landed all the same. Finish is idempotent; if Redis is down it fails too, and the
+                # charge (if any) expires with the request TTL.
+                with contextlib.suppress(RedisError):
+                    await asyncio.shield(self.quota.finish(tenant, request.request_id, len(ids), 0))
                 raise
         try:
             placement = await self._place_or_wait(model, version, tenant, request, chain, len(ids), block_size,

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.server import SchedulerServer, serve_scheduler
@@ -363,6 +364,20 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
                 cut = asyncio.create_task(router.route(query("c1")))
                 await eventually(charged)
                 cut.cancel()
+                await eventually(quota_free)
+            finally:
+                servicer.quota.admit = real_admit  # type: ignore[method-assign]
+
+            # ...and so is one whose charge landed but whose reply was lost (a timeout, a dropped connection):
+            # the client gets UNAVAILABLE and the charge is given back.
+            async def reply_lost(*args: Any, **kwargs: Any) -> None:
+                await real_admit(*args, **kwargs)
+                raise RedisTimeoutError("Redis did not answer EVALSHA in 2 s")
+
+            servicer.quota.admit = reply_lost  # type: ignore[method-assign]
+            try:
+                with pytest.raises(Unavailable):
+                    await router.route(query("l1"))
                 await eventually(quota_free)
             finally:
                 servicer.quota.admit = real_admit  # type: ignore[method-assign]
