@@ -24,6 +24,9 @@ from core.errors import Unauthenticated
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+_KINDS: dict[str, tuple[type, ...]] = {"str": (str,), "float": (int, float), "int": (int,), "bool": (bool,)}
+
+
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
     """One tenant's limits and fair share. The defaults suit a modest interactive tenant.
@@ -43,6 +46,10 @@ class TenantConfig:
     share_prefix_cache: bool = False  # True: the tenant's prompts may hit other sharing tenants' cache
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # JSON from Redis or an operator: true is not a number here
+            value, kinds = getattr(self, f.name), _KINDS[str(f.type)]
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise ValueError(f"tenant field {f.name} must be {f.type}, got {value!r}")
         if not _NAME.fullmatch(self.name):
             raise ValueError(f"tenant name {self.name!r} must match {_NAME.pattern}")
         for field in ("requests_per_s", "tokens_per_s", "burst_s", "weight"):

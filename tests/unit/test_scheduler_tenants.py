@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -108,6 +109,11 @@ def test_tenant_config_validation_and_json() -> None:
         TenantConfig("a", weight=float("nan"))
     with pytest.raises(ValueError, match="must allow one request"):
         TenantConfig("a", requests_per_s=0.5, burst_s=1.0)
+    # Stored as JSON: a value of the wrong type is refused, a boolean included (true is no count).
+    for field, value in (("max_concurrent", True), ("tokens_per_s", "5"), ("share_prefix_cache", 1),
+                         ("max_kv_blocks", 2.5)):
+        with pytest.raises(ValueError, match=f"{field} must be"):
+            TenantConfig.from_json(json.dumps({"name": "a", field: value}))
     t = TenantConfig("a", requests_per_s=2.0, tokens_per_s=100.0, burst_s=3.0, share_prefix_cache=True)
     assert (t.request_burst, t.token_burst) == (6.0, 300.0)
     assert TenantConfig.from_json(t.to_json()) == t
