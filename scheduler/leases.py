@@ -30,6 +30,8 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from scheduler.redis_pipe import RedisPipe, register_script
+
 log = logging.getLogger(__name__)
 
 
@@ -180,7 +182,8 @@ class LeaseLedger:
     never raise for that: a late or duplicate release from a worker is normal, not an error.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", retention_s: float = 300.0) -> None:
+    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", retention_s: float = 300.0,
+                 pipe: RedisPipe | None = None) -> None:
         if retention_s <= 0:
             raise ValueError("retention_s must be positive")
         self._redis = client
@@ -188,8 +191,9 @@ class LeaseLedger:
         self.retention_s = retention_s
         self._retention_ms = max(1, round(retention_s * 1000))
         self._totals = f"{prefix}leases:totals"
-        self._create = client.register_script(_CREATE)
-        self._transition = client.register_script(_TRANSITION)
+        # Once or twice per request (a pin, its end): on the pipe if given (scheduler.redis_pipe).
+        self._create = register_script(client, pipe, _CREATE)
+        self._transition = register_script(client, pipe, _TRANSITION)
         self._expire_due = client.register_script(_EXPIRE_DUE)
         self._stranded = client.register_script(_STRANDED)
 

@@ -5,7 +5,8 @@ script costs about 100 µs of the scheduler's CPU through redis-py (its stream r
 retry and timeout wrappers, and pure-Python command packing) and 25 µs through this class (hiredis
 packs the command and parses the reply in C; replies are matched to callers in order on an
 `asyncio.Protocol`). The quota charge is the one Redis round trip of a placement decision, so that is a
-quarter of the decision's CPU (docs/SCHEDULER.md, "Decision latency").
+quarter of the decision's CPU (docs/SCHEDULER.md, "Decision latency"). A lease's pin and end, the
+other Redis scripts every request runs, go through it too.
 
 What it keeps of redis-py's behaviour, so callers handle failures the same way:
 * errors are redis-py's classes: `ConnectionError` when Redis cannot be reached or the connection

@@ -124,9 +124,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self.registry = WorkerRegistry(client, p, config.heartbeat_timeout_s)
         self.catalog = ModelCatalog(client, p)
         self.tenants = TenantDirectory(client, p, default_tenant=config.default_tenant)
-        self.quota = QuotaLedger(client, p, pipe=pipe)  # the per-request scripts: on the pipe if given
+        self.quota = QuotaLedger(client, p, pipe=pipe)  # per-request scripts (quota, leases) on the pipe if given
         self.queue = FairQueue(client, p, burst_credit_tokens=config.burst_credit_tokens)
-        self.leases = LeaseLedger(client, p)
+        self.leases = LeaseLedger(client, p, pipe=pipe)
         self.bus = CancellationBus(client, p)
         self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold,
                                              max_prefill_queue=config.max_prefill_queue,

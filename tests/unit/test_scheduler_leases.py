@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from redis_runner import run
 
 from scheduler.leases import Lease, LeaseLedger, LeaseState
+from scheduler.redis_pipe import RedisPipe
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=["redis-py", "pipe"])
+def make_ledger(request: pytest.FixtureRequest, url: str) -> Callable[..., LeaseLedger]:
+    """LeaseLedger(client, ...) with its pins and transitions on redis-py, and on the scheduler's
+    RedisPipe (scheduler.redis_pipe): every test runs on both."""
+    def make(client: aioredis.Redis, **options: Any) -> LeaseLedger:
+        return LeaseLedger(client, pipe=RedisPipe(url) if request.param == "pipe" else None, **options)
+
+    return make
 
 T0 = 1_000_000.0  # a fixed "now" for tests that drive the clock by hand
 
@@ -25,9 +38,9 @@ async def make(ledger: LeaseLedger, lease_id: str, num_blocks: int = 4, ttl_s: f
     return lease
 
 
-def test_happy_path_pinned_pulling_released(url: str) -> None:
+def test_happy_path_pinned_pulling_released(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r)
+        ledger = make_ledger(r)
         lease = await make(ledger, "L1", num_blocks=6)
         assert lease.state is LeaseState.PINNED and lease.expires_at == T0 + 10
         assert await ledger.get("L1") == lease
@@ -49,9 +62,9 @@ def test_happy_path_pinned_pulling_released(url: str) -> None:
     run(url, body)
 
 
-def test_illegal_transitions_return_false(url: str) -> None:
+def test_illegal_transitions_return_false(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r)
+        ledger = make_ledger(r)
         assert not await ledger.pulling("ghost") and not await ledger.release("ghost")
         assert not await ledger.abort("ghost")
 
@@ -81,9 +94,9 @@ def test_illegal_transitions_return_false(url: str) -> None:
     run(url, body)
 
 
-def test_expire_due_reaps_overdue_active_leases_once(url: str) -> None:
+def test_expire_due_reaps_overdue_active_leases_once(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r)
+        ledger = make_ledger(r)
         await make(ledger, "pinned")
         await make(ledger, "pulling")
         await make(ledger, "released")
@@ -105,9 +118,9 @@ def test_expire_due_reaps_overdue_active_leases_once(url: str) -> None:
     run(url, body)
 
 
-def test_two_reapers_never_get_the_same_lease(url: str) -> None:
+def test_two_reapers_never_get_the_same_lease(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r1: aioredis.Redis, r2: aioredis.Redis) -> None:
-        one, two = LeaseLedger(r1), LeaseLedger(r2)
+        one, two = make_ledger(r1), make_ledger(r2)
         for i in range(300):
             await make(one, f"L{i}", ttl_s=1 + i % 5)
         for i in range(0, 300, 3):
@@ -127,9 +140,9 @@ def test_two_reapers_never_get_the_same_lease(url: str) -> None:
     run(url, body, clients=2)
 
 
-def test_stranded_blocks_read_zero_after_reaping(url: str) -> None:
+def test_stranded_blocks_read_zero_after_reaping(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r)
+        ledger = make_ledger(r)
         await make(ledger, "A", num_blocks=3, ttl_s=5)
         await make(ledger, "B", num_blocks=5, ttl_s=5)
         await make(ledger, "C", num_blocks=7, ttl_s=50)
@@ -146,9 +159,9 @@ def test_stranded_blocks_read_zero_after_reaping(url: str) -> None:
     run(url, body)
 
 
-def test_finished_leases_leave_redis_after_the_retention(url: str) -> None:
+def test_finished_leases_leave_redis_after_the_retention(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r, retention_s=0.3)
+        ledger = make_ledger(r, retention_s=0.3)
         now = time.time()
         await make(ledger, "A", ttl_s=60, now=now)
         await make(ledger, "B", ttl_s=60, now=now)
@@ -164,9 +177,9 @@ def test_finished_leases_leave_redis_after_the_retention(url: str) -> None:
     run(url, body)
 
 
-def test_an_orphaned_index_entry_is_dropped_by_the_reaper(url: str) -> None:
+def test_an_orphaned_index_entry_is_dropped_by_the_reaper(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r)
+        ledger = make_ledger(r)
         await make(ledger, "A")
         await r.delete("baton:lease:A")  # as if its safety TTL had passed with no reaper running
         assert await ledger.expire_due(now=T0 + 11) == []
@@ -176,11 +189,11 @@ def test_an_orphaned_index_entry_is_dropped_by_the_reaper(url: str) -> None:
 
 
 @pytest.mark.parametrize("end", ["release", "abort"])
-def test_an_end_reported_before_the_pin_ends_the_lease(url: str, end: str) -> None:
+def test_an_end_reported_before_the_pin_ends_the_lease(url: str, end: str, make_ledger: Callable[..., LeaseLedger]) -> None:
     """Reports are concurrent calls: the end of a lease can reach Redis before its pin. The pin then
     records the lease as ended, never as an active lease that only its TTL would end."""
     async def body(r: aioredis.Redis) -> None:
-        ledger = LeaseLedger(r)
+        ledger = make_ledger(r)
         assert not await getattr(ledger, end)("L1")  # the pin is still on the way
         await ledger.create("L1", "req-1", "p:1", "d:1", 4, 30.0)
         counts = await ledger.counts()
