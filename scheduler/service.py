@@ -146,6 +146,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._uncharged: dict[str, tuple[TenantConfig, float]] = {}  # tenant → tokens admitted, not yet charged
         # Tenants and keys change rarely: a revoked key stops working within 1 s on every replica.
         self._tenant_cache: TTLCache[str, TenantConfig] = TTLCache(1.0)
+        self._tenant_names: TTLCache[str, TenantConfig] = TTLCache(1.0)  # name → config, for Finish
         # Rollout weights: at once on this replica (SetRollout invalidates), within 50 ms on the others.
         # What each call on the `Calls` stream runs: the unary calls' own code.
         self._stream_handlers: dict[str, Callable[[Any], Awaitable[Message]]] = {
@@ -230,6 +231,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                 raise
         await self.ensure_default_tenant()  # Redis may have lost it (a restart without persistence)
         return self._tenant_cache.put(api_key, await self.tenants.resolve(None))
+
+    async def _tenant_named(self, name: str) -> TenantConfig | None:
+        """A tenant by name, remembered for up to 1 s as a key's tenant is: a Finish needs no read of it."""
+        cached = self._tenant_names.get(name)
+        if cached is not None:
+            return cached
+        tenant = await self.tenants.get_tenant(name)
+        return self._tenant_names.put(name, tenant) if tenant is not None else None
 
     async def _catalog_view(self, name: str) -> tuple[str, dict[str, float], tuple[str | None, float]]:
         """The model name (or the only one served), its version weights and shadow, in one read."""
@@ -423,7 +432,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         return await _unless_failed(context, self._finish(request))
 
     async def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
-        tenant = await self.tenants.get_tenant(request.tenant)
+        tenant = await self._tenant_named(request.tenant)
         if tenant is not None:
             await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
         return pb.FinishResponse()

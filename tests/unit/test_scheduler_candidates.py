@@ -1,6 +1,7 @@
 """The scheduler's per-decision view of its workers (SchedulerServicer._pools) against a real
 redis-server: prefix hits from the hash chain, this replica's placements counted until a later load,
-the kept candidates rebuilt exactly when their inputs change, and forgotten when a worker is gone."""
+the kept candidates rebuilt exactly when their inputs change, and forgotten when a worker is gone; and
+the tenants a Finish reads."""
 
 from __future__ import annotations
 
@@ -105,5 +106,31 @@ def test_what_is_kept_per_worker_is_forgotten_once_the_worker_is_gone(url: str) 
         assert [c.address for c in (await s._pools("m", VERSION, []))[0]] == ["a:1"]
         s._forget_gone_workers()
         assert set(s._recent) == set(s._candidates) == {"a:1"}
+
+    run(url, body)
+
+
+def test_finishes_read_their_tenant_at_most_once_a_second(url: str) -> None:
+    """A Finish needs its tenant's limits to refund; like a key's tenant, they are remembered for 1 s."""
+    async def body(s: SchedulerServicer) -> None:
+        tenant = TenantConfig("solo", max_concurrent=8)
+        await s.tenants.add_tenant(tenant)
+        reads = 0
+        real_get = s.tenants.get_tenant
+
+        async def counted(name: str) -> TenantConfig | None:
+            nonlocal reads
+            reads += 1
+            return await real_get(name)
+
+        s.tenants.get_tenant = counted  # type: ignore[method-assign]
+        for i in range(3):
+            await s.quota.admit(tenant, f"r{i}", 10, 4, 1)
+        for i in range(3):
+            await s._finish(pb.FinishRequest(request_id=f"r{i}", tenant="solo", prompt_tokens=10,
+                                             completion_tokens=4))
+        assert reads == 1 and (await s.quota.usage(tenant)).concurrent == 0
+        await s._finish(pb.FinishRequest(request_id="x", tenant="nobody"))  # an unknown tenant: nothing to do
+        assert reads == 2
 
     run(url, body)
