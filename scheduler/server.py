@@ -12,6 +12,9 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry  # not redis.retry.Retry: that one cannot retry a coroutine
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
@@ -51,6 +54,15 @@ class SchedulerServer:
             await self.pipe.close()
 
 
+def redis_client(url: str) -> aioredis.Redis:
+    """The replica's redis-py client (everything but the per-request scripts, which use `RedisPipe`).
+    A command whose connection was dropped is retried once on a new connection: after a Redis restart
+    the pool's idle connections are dead, and without it (from_url sets no retry) the first command on
+    each would fail. Timeouts are not retried: a hung Redis must show within the 2 s socket timeout."""
+    return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                   retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+
+
 async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterState:
     """The cluster state one scrape shows, read from Redis (``redis_up`` False if it cannot be)."""
     state = metrics.ClusterState(waiting_here=servicer.waiting_here)
@@ -81,8 +93,7 @@ async def serve_scheduler(
     from grpc_health.v1._async import HealthServicer
     from grpc_reflection.v1alpha import reflection
 
-    client = aioredis.Redis.from_url(config.redis_url, decode_responses=True, socket_timeout=2.0,
-                                     socket_connect_timeout=2.0)
+    client = redis_client(config.redis_url)
     # The per-request quota scripts on a pipelined connection of their own (scheduler.redis_pipe).
     pipe = RedisPipe(config.redis_url, timeout_s=2.0) if RedisPipe.supports(config.redis_url) else None
     servicer = SchedulerServicer(config, client, pipe)

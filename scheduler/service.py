@@ -115,6 +115,18 @@ def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[
     return [h.hex() for h in hash_chain(token_ids, block_size, salt)]
 
 
+def _redis_errors_unavailable(
+    method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]],
+) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]:
+    """A unary RPC (registration, heartbeats, the operator's calls) whose Redis errors end it UNAVAILABLE,
+    as `_unless_failed` does for the per-request calls: never grpc's UNKNOWN during an outage."""
+    @functools.wraps(method)
+    async def rpc(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        return await _unless_failed(context, method(self, request, context))
+
+    return rpc
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[misc]  # generated, untyped
     """One replica; every piece of shared state lives in Redis."""
 
@@ -537,6 +549,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                 task.cancel()  # the gateway is gone: a waiting Place leaves the queue, its quota returned
 
     # ------------------------------------------------------------------ workers
+    @_redis_errors_unavailable
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
                              ) -> pb.RegisterWorkerResponse:
         w = request.worker
@@ -552,6 +565,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self._models = (0.0, [])
         return pb.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_timeout_s / 3)
 
+    @_redis_errors_unavailable
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
         hashes = None if request.load_only else list(request.cached_block_hashes)
@@ -563,6 +577,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         return pb.HeartbeatResponse(known=known)
 
     # ------------------------------------------------------------------ model versions
+    @_redis_errors_unavailable
     async def ListModelVersions(self, request: pb.ListModelVersionsRequest, context: grpc.aio.ServicerContext
                                 ) -> pb.ListModelVersionsResponse:
         resp = pb.ListModelVersionsResponse()
@@ -573,6 +588,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                 resp.shadow[model], resp.shadow_share[model] = shadow, share
         return resp
 
+    @_redis_errors_unavailable
     async def SetRollout(self, request: pb.SetRolloutRequest, context: grpc.aio.ServicerContext
                          ) -> pb.SetRolloutResponse:
         try:

@@ -238,6 +238,12 @@ def test_redis_outage_gives_unavailable_and_heals_itself(redis_server: Any, tiny
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await sched.Place(place, timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in (e.value.details() or "")
+            # Workers' and operators' calls too: UNAVAILABLE (retry later), never grpc's UNKNOWN.
+            for call in (sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(), timeout=10),
+                         sched.Heartbeat(scheduler_pb2.HeartbeatRequest(address="w:1", load_only=True), timeout=10)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
         finally:
             redis_server.start()
         t0 = time.monotonic()

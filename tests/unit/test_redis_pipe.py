@@ -216,3 +216,28 @@ def test_a_closed_pipe_refuses_calls_also_when_closed_while_connecting(url: str)
         assert pipe._protocol is None  # nothing left open
 
     asyncio.run(body())
+
+
+def test_the_schedulers_redis_py_client_survives_a_restart_of_redis() -> None:
+    """The scheduler's redis-py client (scheduler.server.redis_client): after Redis restarts, the idle
+    connections in its pool are dead; each command on one is retried once on a new connection instead
+    of failing. The pipe, whose connection saw the close, reconnects by itself."""
+    from scheduler.server import redis_client
+
+    server = RedisServer().start()
+
+    async def body() -> None:
+        client, pipe = redis_client(server.url), RedisPipe(server.url)
+        await asyncio.gather(*(client.blpop(["empty"], 0.05) for _ in range(8)))  # 8 pooled connections
+        await pipe.execute("PING")
+        await asyncio.to_thread(server.kill)
+        await asyncio.to_thread(server.start)
+        assert await asyncio.gather(*(client.set(f"k{i}", i) for i in range(8))) == [True] * 8
+        assert await pipe.execute("GET", "k3") == "3"
+        await client.aclose()
+        await pipe.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        server.stop()
