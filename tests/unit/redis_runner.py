@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+
+T = TypeVar("T")
 
 
 def run(url: str, body: Callable[..., Awaitable[Any]], clients: int = 1) -> Any:
@@ -32,3 +34,16 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+TRANSPORTS = ["redis-py", "pipe"]  # where a ledger's per-request scripts run (scheduler.redis_pipe)
+
+
+def on_transport(ledger: Callable[..., T], transport: str, url: str) -> Callable[..., T]:
+    """``ledger(client, ...)`` with its per-request scripts on redis-py, or on a RedisPipe to ``url``."""
+    from scheduler.redis_pipe import RedisPipe
+
+    def make(client: aioredis.Redis, **options: Any) -> T:
+        return ledger(client, pipe=RedisPipe(url) if transport == "pipe" else None, **options)
+
+    return make

@@ -5,26 +5,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from redis_runner import run
+from redis_runner import TRANSPORTS, on_transport, run
 
 from scheduler.leases import Lease, LeaseLedger, LeaseState
-from scheduler.redis_pipe import RedisPipe
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["redis-py", "pipe"])
+@pytest.fixture(params=TRANSPORTS)
 def make_ledger(request: pytest.FixtureRequest, url: str) -> Callable[..., LeaseLedger]:
-    """LeaseLedger(client, ...) with its pins and transitions on redis-py, and on the scheduler's
-    RedisPipe (scheduler.redis_pipe): every test runs on both."""
-    def make(client: aioredis.Redis, **options: Any) -> LeaseLedger:
-        return LeaseLedger(client, pipe=RedisPipe(url) if request.param == "pipe" else None, **options)
+    """LeaseLedger(client, ...) with its pins and transitions on redis-py, and on the
+    scheduler's RedisPipe: every test runs on both."""
+    return on_transport(LeaseLedger, request.param, url)
 
-    return make
 
 T0 = 1_000_000.0  # a fixed "now" for tests that drive the clock by hand
 

@@ -9,24 +9,20 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from redis_runner import Clock, run
+from redis_runner import TRANSPORTS, Clock, on_transport, run
 
 from core.errors import CapacityExceeded, InvalidRequest
 from scheduler.quota import QuotaLedger, TenantUsage
-from scheduler.redis_pipe import RedisPipe
 from scheduler.tenants import TenantConfig
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["redis-py", "pipe"])
+@pytest.fixture(params=TRANSPORTS)
 def ledger(request: pytest.FixtureRequest, url: str) -> Callable[..., QuotaLedger]:
-    """QuotaLedger(client, ...) with its admissions and finishes on redis-py, and on the scheduler's
-    RedisPipe (scheduler.redis_pipe): every test runs on both."""
-    def make(client: aioredis.Redis, **options: Any) -> QuotaLedger:
-        return QuotaLedger(client, pipe=RedisPipe(url) if request.param == "pipe" else None, **options)
-
-    return make
+    """QuotaLedger(client, ...) with its admissions and finishes on redis-py, and on the
+    scheduler's RedisPipe: every test runs on both."""
+    return on_transport(QuotaLedger, request.param, url)
 
 
 
