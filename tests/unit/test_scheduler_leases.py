@@ -90,7 +90,9 @@ def test_illegal_transitions_return_false(url: str, make_ledger: Callable[..., L
     run(url, body)
 
 
-def test_expire_due_reaps_overdue_active_leases_once(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
+def test_expire_due_reaps_overdue_active_leases_once(
+    url: str, make_ledger: Callable[..., LeaseLedger]
+) -> None:
     async def body(r: aioredis.Redis) -> None:
         ledger = make_ledger(r)
         await make(ledger, "pinned")
@@ -155,7 +157,9 @@ def test_stranded_blocks_read_zero_after_reaping(url: str, make_ledger: Callable
     run(url, body)
 
 
-def test_finished_leases_leave_redis_after_the_retention(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
+def test_finished_leases_leave_redis_after_the_retention(
+    url: str, make_ledger: Callable[..., LeaseLedger]
+) -> None:
     async def body(r: aioredis.Redis) -> None:
         ledger = make_ledger(r, retention_s=0.3)
         now = time.time()
@@ -173,7 +177,9 @@ def test_finished_leases_leave_redis_after_the_retention(url: str, make_ledger: 
     run(url, body)
 
 
-def test_an_orphaned_index_entry_is_dropped_by_the_reaper(url: str, make_ledger: Callable[..., LeaseLedger]) -> None:
+def test_an_orphaned_index_entry_is_dropped_by_the_reaper(
+    url: str, make_ledger: Callable[..., LeaseLedger]
+) -> None:
     async def body(r: aioredis.Redis) -> None:
         ledger = make_ledger(r)
         await make(ledger, "A")
@@ -185,7 +191,9 @@ def test_an_orphaned_index_entry_is_dropped_by_the_reaper(url: str, make_ledger:
 
 
 @pytest.mark.parametrize("end", ["release", "abort"])
-def test_an_end_reported_before_the_pin_ends_the_lease(url: str, end: str, make_ledger: Callable[..., LeaseLedger]) -> None:
+def test_an_end_reported_before_the_pin_ends_the_lease(
+    url: str, end: str, make_ledger: Callable[..., LeaseLedger]
+) -> None:
     """Reports are concurrent calls: the end of a lease can reach Redis before its pin. The pin then
     records the lease as ended, never as an active lease that only its TTL would end."""
     async def body(r: aioredis.Redis) -> None:

@@ -71,7 +71,9 @@ def test_token_rate_charges_prompt_plus_max_tokens(url: str, ledger: Callable[..
     run(url, body)
 
 
-def test_concurrency_and_kv_limits_refuse_with_a_constant_retry_after(url: str, ledger: Callable[..., QuotaLedger]) -> None:
+def test_concurrency_and_kv_limits_refuse_with_a_constant_retry_after(
+    url: str, ledger: Callable[..., QuotaLedger]
+) -> None:
     async def body(r: aioredis.Redis) -> None:
         q = ledger(r, clock=Clock(), busy_retry_after_s=0.75)
         t = tenant(max_concurrent=2, max_kv_blocks=10)
@@ -150,7 +152,9 @@ def test_finish_refunds_unused_tokens_and_is_idempotent(url: str, ledger: Callab
     run(url, body)
 
 
-def test_readmitting_an_admitted_request_charges_nothing(url: str, ledger: Callable[..., QuotaLedger]) -> None:
+def test_readmitting_an_admitted_request_charges_nothing(
+    url: str, ledger: Callable[..., QuotaLedger]
+) -> None:
     async def body(r: aioredis.Redis) -> None:
         q, t = ledger(r, clock=Clock()), tenant(tokens_per_s=1000.0)
         first = await q.admit(t, "a", 100, 100, 2)
@@ -162,7 +166,9 @@ def test_readmitting_an_admitted_request_charges_nothing(url: str, ledger: Calla
     run(url, body)
 
 
-def test_unfinished_requests_expire_and_give_back_their_slots(url: str, ledger: Callable[..., QuotaLedger]) -> None:
+def test_unfinished_requests_expire_and_give_back_their_slots(
+    url: str, ledger: Callable[..., QuotaLedger]
+) -> None:
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q, t = ledger(r, request_ttl_s=60.0, clock=clock), tenant(max_concurrent=2, max_kv_blocks=10)
