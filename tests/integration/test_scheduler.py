@@ -536,6 +536,15 @@ def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_ser
                 raise AssertionError("a malformed Decode streamed")
 
         assert "DecodeRequest" in await refused(decode())
+        # Well-formed but wrong: the operator's rollout call names what is wrong, with its status.
+        versions = (await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())).versions
+        model, version = versions[0].model, versions[0].version
+        for weights_of, want in ((("nope", {version: 1.0}), grpc.StatusCode.NOT_FOUND),
+                                 ((model, {"v-nope": 1.0}), grpc.StatusCode.INVALID_ARGUMENT),
+                                 ((model, {version: -1.0}), grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await sched.SetRollout(scheduler_pb2.SetRolloutRequest(model=weights_of[0], weights=weights_of[1]))
+            assert e.value.code() == want and e.value.details(), e.value
         # Both still serve.
         placed = await sched.Place(scheduler_pb2.PlaceRequest(request_id="ok", prompt_token_ids=[5] * 8, max_tokens=2))
         assert placed.decode_worker == d_addr
