@@ -553,12 +553,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
                              ) -> pb.RegisterWorkerResponse:
         w = request.worker
-        try:
-            record = WorkerRecord(w.address, w.role, w.model, w.version, w.address,
-                                  w.num_blocks, w.block_size, w.max_model_len, w.kv_backend)
-        except ServingError as e:
-            await _abort(context, e)
-            raise
+        record = WorkerRecord(w.address, w.role, w.model, w.version, w.address,  # ServingError: its status
+                              w.num_blocks, w.block_size, w.max_model_len, w.kv_backend)
         await self.registry.register(record, _load(request.load))
         await self.catalog.announce(w.model, w.version)
         self.snapshot.invalidate(w.model)  # placeable at once, here; other replicas within max_age_s
@@ -605,9 +601,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
                                               request.shadow_share if request.HasField("shadow_share") else 0.0)
                 self._catalog_cache.invalidate()
         except ValueError as e:
-            await _abort(context, InvalidRequest(str(e)))
-        except ServingError as e:
-            await _abort(context, e)
+            raise InvalidRequest(str(e)) from None
         log.info("rollout of %s set: %s", request.model, dict(request.weights))
         return pb.SetRolloutResponse(versions=await self._versions(request.model))
 
