@@ -35,6 +35,8 @@ import redis.asyncio as aioredis
 from redis import exceptions as rx  # not the builtins of the same names
 from redis.connection import parse_url
 
+from core.expiry import Expired, expire_later
+
 _Waiter = asyncio.Future[Any]
 Script = Callable[..., Awaitable[Any]]  # called as script(keys=[...], args=[...])
 
@@ -165,10 +167,10 @@ class RedisPipe:
         waiter: _Waiter = loop.create_future()
         protocol.waiters.append(waiter)
         protocol.transport.write(command)
-        timer = loop.call_later(self.timeout_s, _expire, waiter)
+        timer = expire_later(waiter, self.timeout_s)
         try:
             return await waiter
-        except _Expired:
+        except Expired:
             # Redis did not answer in time: later replies cannot be trusted to come; start afresh.
             protocol.close(rx.TimeoutError(f"Redis did not answer in {self.timeout_s:g} s"))
             raise rx.TimeoutError(f"Redis did not answer {args[0]} in {self.timeout_s:g} s") from None
@@ -215,12 +217,3 @@ class RedisPipe:
             raise rx.ConnectionError("the pipe was closed")
         self._protocol = protocol
         return protocol
-
-
-class _Expired(Exception):
-    """A reply's time ran out (set on its waiter by the timer)."""
-
-
-def _expire(waiter: _Waiter) -> None:
-    if not waiter.done():
-        waiter.set_exception(_Expired())

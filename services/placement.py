@@ -30,6 +30,7 @@ from core.errors import (
     Unauthenticated,
     Unavailable,
 )
+from core.expiry import Expired, expire_later
 from services.status import RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
@@ -193,15 +194,6 @@ _STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 Undo = Callable[[Any], object]
 
 
-class _Expired(Exception):
-    """A call's own timeout (kept apart from any TimeoutError raised around it)."""
-
-
-def _expire(reply: asyncio.Future[Any]) -> None:
-    if not reply.done():
-        reply.set_exception(_Expired())
-
-
 class CallStream:
     """The gateway's one `Scheduler.Calls` stream: many requests' calls multiplexed by call id, each
     answered whenever the scheduler is done with it. Opened on first use and again after it breaks;
@@ -229,13 +221,13 @@ class CallStream:
         reply: asyncio.Future[scheduler_pb2.SchedulerReply] = loop.create_future()
         self._pending[call_id] = (reply, undo)
         outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, **call))
-        timer = loop.call_later(timeout_s, _expire, reply)
+        timer = expire_later(reply, timeout_s)
         try:
             answer = await reply
-        except (asyncio.CancelledError, _Expired) as e:
+        except (asyncio.CancelledError, Expired) as e:
             if withdraw and call_id in self._pending:  # no reply yet: the scheduler undoes it (or its reply is undone)
                 outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, abandon=True))
-            if isinstance(e, _Expired):
+            if isinstance(e, Expired):
                 raise Unavailable(f"the scheduler {self.address} did not answer in time") from None
             raise
         finally:
