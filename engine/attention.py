@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_ops import gather_blocks, paged_decode_attention
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -38,7 +40,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] long
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [Bd, max_blocks] long (padded with block 0)
-    decode_bias: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] additive: 0 attend, -inf masked
+    decode_ctx_lens: torch.Tensor  # [Bd] long: each decode sequence's context, its new token included
     prefills: list[PrefillSpan]
     # The unified form used by the GPU kernel (every token: its sequence and that sequence's table).
     block_tables: torch.Tensor | None = None  # [S, max_blocks]
@@ -77,30 +79,6 @@ def paged_attention_reference(
     return out
 
 
-def write_kv(
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] (strided view into the block-major cache)
-    v_cache: torch.Tensor,
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,
-    slot_blocks: torch.Tensor,  # [T] long: block id of each new token
-    slot_offsets: torch.Tensor,  # [T] long: offset inside that block
-) -> None:
-    """Stores the new tokens' keys and values in their slots (in place through the views)."""
-    k_cache[slot_blocks, slot_offsets] = k
-    v_cache[slot_blocks, slot_offsets] = v
-
-
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, KVH, D] (strided) × [B, n] block ids → [B, n * bs, KVH, D] contiguous.
-
-    ``index_select`` on the flattened table, not advanced indexing: on CPU it is ~7x faster for this
-    gather (a straight block copy instead of the generic index kernel).
-    """
-    b, n = block_tables.shape
-    out = cache.index_select(0, block_tables.reshape(-1))  # [B * n, bs, KVH, D]
-    return out.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
-
-
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
          causal: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads; q [B,H,Lq,D], k/v [B,KVH,Lk,D]."""
@@ -117,8 +95,9 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Attention for a mixed batch: the Triton kernel on GPU; on CPU one batched SDPA for all decode
-    tokens plus one SDPA per prompt chunk (a fresh prompt uses its own K/V, no cache gather)."""
+    """Attention for a mixed batch: the Triton kernel on GPU; on CPU the varlen paged decode kernel for
+    all decode tokens (each over its own context) plus one SDPA per prompt chunk (a fresh prompt uses
+    its own K/V, no cache gather)."""
     if q.is_cuda and meta.block_tables is not None and meta.token_seq_ids is not None:
         from engine.triton_attention import paged_attention_triton
 
@@ -128,12 +107,8 @@ def paged_attention(
     outs: list[torch.Tensor] = []
     nd = meta.num_decode_tokens
     if nd:
-        k = gather_blocks(k_cache, meta.decode_block_tables)  # [Bd, L, KVH, D]
-        v = gather_blocks(v_cache, meta.decode_block_tables)
-        # [Bd, H, 1, D] x [Bd, KVH, L, D] (strided views): torch's fused CPU kernel beat explicit
-        # matmul formulations here, which must copy the gathered K/V into a head-major layout.
-        o = sdpa(q[:nd].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), meta.decode_bias, scale)
-        outs.append(o.squeeze(2))  # [Bd, H, D]
+        outs.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_ctx_lens, scale, sliding_window))  # [Bd, H, D]
     for p in meta.prefills:
         qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.mask is None:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from core.units import parse_bytes
+from engine.config import DTYPES, QUANTIZATIONS
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -26,6 +27,9 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="KV cache budget, e.g. 1GiB")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights, activations and KV cache (default auto: bfloat16 where this CPU runs it faster)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="int8: weight-only int8")
     p.set_defaults(func=run_generate)
 
 
@@ -43,7 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads)
+    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads, dtype=args.dtype,
+              quantization=args.quantization)
     prompt: str | list[int] = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from core.units import parse_bytes  # noqa: F401  (engine.config.parse_bytes is public)
+
+if TYPE_CHECKING:
+    import torch
+
+# Torch-free at import, so the launcher and the CLI take the choices from here without loading torch.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +25,8 @@ class EngineConfig:
 
     model: str | None = None  # None = the embedded default model
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # auto = float32 on CPU (no fast bf16 there), bfloat16 on GPU
+    dtype: str = "auto"  # auto = bfloat16 on GPU, and on a CPU where it measures faster (else float32)
+    quantization: str = "none"  # none | int8 (weight-only, per output channel): its own model version
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes
     max_num_seqs: int = 64
@@ -36,16 +43,26 @@ class EngineConfig:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        """The weights', activations' and KV cache's dtype. ``auto`` probes the CPU (engine.linear)."""
+        import torch
+
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
-        return dtypes[self.dtype]
+            if self.torch_device().type == "cuda":
+                return torch.bfloat16
+            from engine.linear import probe_cpu_bf16
+
+            return torch.bfloat16 if probe_cpu_bf16() else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -6,6 +6,7 @@ Single-threaded by design (a worker runs it on its own engine thread). ``step()`
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -116,7 +117,8 @@ class LLMEngine:
                 )
             model_len = config.max_model_len
         self.max_model_len = min(model_len, capacity)
-        model = load_model(self.model_dir, self.model_config, dtype, device, self.max_model_len + 1)
+        model = load_model(self.model_dir, self.model_config, dtype, device, self.max_model_len + 1,
+                           config.quantization)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = StepScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk,
@@ -138,9 +140,10 @@ class LLMEngine:
         self.num_scheduled_tokens = 0  # tokens run through the model (prompt chunks and decodes)
         self.num_sampled_tokens = 0
         self._seed_rng = random.Random(config.seed)
+        self._model_version: str | None = None
         log.info(
-            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
-            self.model_dir, device, dtype, num_blocks, capacity, num_blocks * block_bytes / 2**20,
+            "engine ready: model=%s device=%s dtype=%s quantization=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
+            self.model_dir, device, dtype, config.quantization, num_blocks, capacity, num_blocks * block_bytes / 2**20,
             self.max_model_len,
         )
 
@@ -258,13 +261,24 @@ class LLMEngine:
         """What a peer's KV cache must match (see kv_transfer.KVLayout): model, dtype and geometry."""
         cfg = self.model_config
         return {
-            "model_digest": model_digest(self.model_dir),
+            "model_digest": self.model_version,
             "dtype": str(self.runner.kv_cache.dtype).removeprefix("torch."),
             "block_size": self.kv.block_size,
             "num_layers": cfg.num_layers,
             "num_kv_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
         }
+
+    @property
+    def model_version(self) -> str:
+        """The served model's identity in the cluster: the checkpoint's digest, and for a quantized twin
+        a digest of that and the quantization (so its KV never mixes with the original's)."""
+        if self._model_version is None:
+            digest = model_digest(self.model_dir)
+            if self.config.quantization != "none":
+                digest = hashlib.sha256(f"{digest}+{self.config.quantization}-woq-v1".encode()).hexdigest()[:16]
+            self._model_version = digest
+        return self._model_version
 
     @property
     def num_transfers(self) -> int:

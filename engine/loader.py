@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from core.errors import ModelLoadError
+from engine.linear import prepare_linears
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 
@@ -67,9 +68,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """Builds the model without initialising it, then fills every parameter from the checkpoint."""
+    """Builds the model without initialising it, fills every parameter from the checkpoint, then puts
+    the projections in their fast form (packed bf16, or int8 with ``quantization="int8"``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions=max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -109,6 +112,7 @@ def load_model(
     missing = [p for p in _expected(params, cfg) if p not in loaded]
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    prepare_linears(model, quantization, dtype, device)
     return model.eval()
 
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine import cpu_ops
+from engine.attention import AttentionMetadata, paged_attention
 from engine.model_config import ModelConfig, RopeScaling
 
 LOGITS_SLICE_ROWS = 2048  # vocabulary rows per lm_head GEMM on CPU
@@ -28,7 +29,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return cpu_ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm."""
+        return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -69,14 +74,6 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D/2] for a step's positions — once per step, shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [T, heads, D]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -91,14 +88,15 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_window
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: RotaryEmbedding) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), *rope)  # [T, H, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), *rope)  # [T, KVH, D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D] strided views of the qkv output
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]  # [num_blocks, block_size, KVH, D] views
-        write_kv(k_cache, v_cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        q, k = cpu_ops.rope_and_cache(q, k, v, rope.cos, rope.sin, meta.positions, k_cache, v_cache,
+                                      meta.slot_blocks, meta.slot_offsets)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -111,8 +109,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -123,10 +120,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, kv_layer, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_layer: torch.Tensor, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output (the embeddings for layer 0), residual: the stream before
+        it (None for layer 0). Returns this layer's MLP output and the stream before it."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm.add(x, residual)
+        x = self.self_attn(x, meta, kv_layer, rope)
+        x, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,14 +160,14 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        rope = self.rope.lookup(meta.positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta, kv_cache[:, i], rope)
-        return x
+            x, residual = layer(x, residual, meta, kv_cache[:, i], self.rope)
+        return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] → [S, V] fp32
         h = self.norm(hidden)
-        if h.is_cuda:
+        if h.is_cuda or not isinstance(self.lm_head, nn.Linear):  # a packed or int8 head: one call
             return self.lm_head(h).float()
         # On CPU one [S, hidden] x [hidden, V] GEMM over the whole vocabulary runs ~15% slower than the
         # same product in vocabulary slices that stay cache-resident (measured: benchmarks, docs/ENGINE.md).

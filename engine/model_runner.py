@@ -128,7 +128,7 @@ class ModelRunner:
             slot_offsets=(pos_t % bs).to(self.device),
             num_decode_tokens=len(decodes),
             decode_block_tables=_pad_tables(tables).to(self.device),
-            decode_bias=_decode_bias(ctx_lens, tables, bs, window, self.dtype).to(self.device),
+            decode_ctx_lens=torch.tensor(ctx_lens, dtype=torch.long, device=self.device),
             prefills=spans,
         )
         if self.device.type == "cuda":  # the Triton kernel takes the unified form
@@ -151,16 +151,3 @@ def _seq_positions(
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
-
-
-def _decode_bias(
-    ctx_lens: list[int], tables: list[list[int]], bs: int, window: int | None, dtype: torch.dtype
-) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0) * bs
-    k_pos = torch.arange(width).unsqueeze(0)  # [1, L]
-    ctx = torch.tensor(ctx_lens, dtype=torch.long).unsqueeze(1)  # [Bd, 1]
-    mask = k_pos < ctx
-    if window is not None:
-        mask &= k_pos > ctx - 1 - window
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-    return bias.view(len(ctx_lens), 1, 1, width)

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.units import parse_bytes
+from engine.config import DTYPES, QUANTIZATIONS
 
 READY_TIMEOUT_S = 300.0
 
@@ -146,7 +147,8 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
     model = ["--model", args.model] if args.model else []
     host = args.host
     worker_common = [*model, "--host", host, "--kv-transport", args.kv_transport,
-                     "--kv-cache-memory", str(args.kv_cache_memory)]
+                     "--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
+                     "--quantization", args.quantization]
     if args.threads:
         worker_common += ["--threads", str(args.threads)]
     cluster = Cluster()
@@ -298,6 +300,10 @@ def add_up_parser(sub: Any) -> None:
                    help="no Redis and no scheduler: the gateway places on the workers it is given")
     p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="per worker")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="every worker's weights, activations and KV cache (default auto: bfloat16 where faster)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="int8: every worker serves the weight-only int8 twin of the model")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch threads per worker (default: half the cores each)")
     p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)

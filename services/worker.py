@@ -364,6 +364,7 @@ class WorkerServer:
 async def serve_worker(config: WorkerConfig) -> WorkerServer:
     """Loads the engine, binds the port, registers the KV cache, and starts serving (health SERVING)."""
     engine_config = EngineConfig(model=config.model, kv_cache_memory=config.kv_cache_memory,
+                                 dtype=config.dtype, quantization=config.quantization,
                                  block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  long_prefill_chunk=config.long_prefill_chunk,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.units import parse_bytes
+from engine.config import DTYPES, QUANTIZATIONS
 
 ROLES = ("prefill", "decode", "both")
 HEAVY_PREFILL_CHUNK = 32  # a prefill worker's default prompt tokens per step for a heavy tenant's prompt
@@ -24,6 +25,8 @@ class WorkerConfig:
     port: int = 0  # 0 = any free port
     kv_transport: str = "auto"  # auto, nixl, shm, tcp
     kv_cache_memory: int = 256 << 20
+    dtype: str = "auto"  # auto = bfloat16 where this CPU multiplies it faster than float32 (engine.linear)
+    quantization: str = "none"  # int8: weight-only int8, served as its own model version
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # tokens per engine step (prefill chunks + decodes)
@@ -55,6 +58,10 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights, activations and KV cache (default auto: bfloat16 where this CPU runs it faster)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="int8: weight-only int8 quantized at load; a model version of its own")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory=64 << 20)
+    return LLM(kv_cache_memory=64 << 20, dtype="float32")  # fp32: the reference transformers is compared in
 
 
 def baton(*args: str) -> subprocess.CompletedProcess[str]:

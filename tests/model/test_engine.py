@@ -49,7 +49,8 @@ def test_preemption_keeps_greedy_outputs_and_leaks_nothing(tiny_llama: Path) -> 
     big = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(batch, params)
 
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block_size * kv_heads * head_dim * fp32
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=16 * block_bytes, max_model_len=256))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=16 * block_bytes, max_model_len=256,
+                                    dtype="float32"))
     assert engine.kv.num_blocks == 16, "16 blocks of 16 tokens: far too few for 12 requests at once"
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, params)

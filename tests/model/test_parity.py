@@ -32,6 +32,7 @@ def run_engine(
     path: Path, token_prompts: list[list[int]], max_tokens: int = DECODE_STEPS, **cfg: object
 ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], LLMEngine]:
     """Drives the engine's own loop, keeping the logits row of every sampled token."""
+    cfg.setdefault("dtype", "float32")  # fp32 is the reference; auto would pick bf16 on a CPU fast at it
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory=8 << 20, **cfg))  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(token_prompts):
@@ -94,7 +95,7 @@ def test_prefix_cache_hits_match_one_shot(tiny_llama: Path) -> None:
     shared = prompts(3, [48], 380)[0]
     first = shared + [5, 6, 7]
     second = shared + [9, 10, 11, 12, 13]
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=8 << 20))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=8 << 20, dtype="float32"))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
     engine.add_request("a", first, params)
     while engine.has_unfinished:

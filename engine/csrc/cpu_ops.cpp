@@ -1,0 +1,399 @@
+// Baton's CPU kernels: the per-layer elementwise work of a decode step fused into single passes, and
+// varlen paged decode attention that reads each sequence's own blocks (no gather, no padding).
+//
+// Registered as torch ops under `baton::` (loaded by engine/cpu_ops.py, which compiles this file once per
+// machine with -march=native). Every op has a torch reference in engine/cpu_ops.py that the tests compare
+// against, in fp32 and bf16. Math is done in fp32 and rounded once to the tensor's dtype.
+//
+// Shapes: T tokens, H query heads, KVH KV heads, D head dim, NB cache blocks, BS tokens per block.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p) { return *p; }
+inline float load(const at::BFloat16* p) {
+  uint32_t bits = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(at::BFloat16* p, float v) { *p = static_cast<at::BFloat16>(v); }  // round to nearest even
+
+// exp(x) for x <= ~88, written so the compiler vectorizes it (std::exp is a scalar libm call): 2^n * p(f)
+// with n = round(x / ln 2) and a degree-6 polynomial on the remainder; relative error ~2e-7.
+#pragma omp declare simd
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float f = x - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.3981999e-3f;
+  p = p * f + 8.3334519e-3f;
+  p = p * f + 4.1665795e-2f;
+  p = p * f + 1.6666665e-1f;
+  p = p * f + 5.0000001e-1f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#define BATON_DISPATCH(dtype, NAME, ...)                                          \
+  [&] {                                                                           \
+    if ((dtype) == at::kFloat) {                                                  \
+      using scalar_t = float;                                                     \
+      return __VA_ARGS__();                                                       \
+    }                                                                             \
+    TORCH_CHECK((dtype) == at::kBFloat16, NAME ": float32 or bfloat16 only, got ", (dtype)); \
+    using scalar_t = at::BFloat16;                                                \
+    return __VA_ARGS__();                                                         \
+  }()
+
+// One row: out = r * rsqrt(mean(r^2) + eps) * w, r given in fp32.
+template <typename T>
+inline void norm_row(const float* r, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += r[i] * r[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) store(out + i, r[i] * inv * load(w + i));
+}
+
+// out[T, n] = rms_norm(x[T, n]) * w
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.is_contiguous() && w.is_contiguous(), "rms_norm: layout");
+  const int64_t t = x.size(0), n = x.size(1), xs = x.stride(0);
+  BATON_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> r(n);
+      for (int64_t row = b; row < e; ++row) {
+        for (int64_t i = 0; i < n; ++i) r[i] = load(xp + row * xs + i);
+        norm_row(r.data(), wp, op + row * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// residual += x (rounded to the dtype, as an unfused add would), then x = rms_norm(residual) * w; in place.
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && w.is_contiguous(), "add_rms_norm: layout");
+  const int64_t t = x.size(0), n = x.size(1);
+  BATON_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> r(n);
+      for (int64_t row = b; row < e; ++row) {
+        scalar_t* xr = xp + row * n;
+        scalar_t* rr = rp + row * n;
+        for (int64_t i = 0; i < n; ++i) {
+          store(rr + i, load(xr + i) + load(rr + i));
+          r[i] = load(rr + i);
+        }
+        norm_row(r.data(), wp, xr, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// out[T, I] = silu(gu[:, :I]) * gu[:, I:]
+void silu_and_mul(at::Tensor& out, const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && out.is_contiguous(), "silu_and_mul: layout");
+  const int64_t t = gu.size(0), n = gu.size(1) / 2, gs = gu.stride(0);
+  BATON_DISPATCH(gu.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row) {
+        const scalar_t* g = gp + row * gs;
+        const scalar_t* u = g + n;
+        scalar_t* o = op + row * n;
+        _Pragma("omp simd")  // (a #pragma cannot stand inside a macro argument)
+        for (int64_t i = 0; i < n; ++i) {
+          const float gv = load(g + i);
+          store(o + i, gv / (1.f + fast_exp(-gv)) * load(u + i));
+        }
+      }
+    });
+  });
+}
+
+// Rotate-half RoPE on q [T, H, D] and k [T, KVH, D] in place (strided views into the qkv output), then
+// k and v [T, KVH, D] into their cache slots. cos/sin [P, D/2] fp32 tables, positions/slots [T] int64.
+void rope_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& positions, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 &&
+              v_cache.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rope_and_cache: layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong &&
+              slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong,
+              "rope_and_cache: tables fp32, positions and slots int64");
+  const int64_t t = q.size(0), h = q.size(1), kvh = k.size(1), d = q.size(2), half = d / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* blk = slot_blocks.data_ptr<int64_t>();
+  const int64_t* off = slot_offsets.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  BATON_DISPATCH(q.scalar_type(), "rope_and_cache", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    auto rotate = [&](scalar_t* x, const float* c, const float* s) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = load(x + i), x2 = load(x + half + i);
+        store(x + i, x1 * c[i] - x2 * s[i]);
+        store(x + half + i, x2 * c[i] + x1 * s[i]);
+      }
+    };
+    at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row) {
+        const float* c = cp + pos[row] * half;
+        const float* s = sp + pos[row] * half;
+        for (int64_t head = 0; head < h; ++head) rotate(qp + row * q.stride(0) + head * q.stride(1), c, s);
+        for (int64_t head = 0; head < kvh; ++head) {
+          scalar_t* kr = kp + row * k.stride(0) + head * k.stride(1);
+          rotate(kr, c, s);
+          const scalar_t* vr = vp + row * v.stride(0) + head * v.stride(1);
+          scalar_t* kdst = kc + blk[row] * k_cache.stride(0) + off[row] * k_cache.stride(1) + head * k_cache.stride(2);
+          scalar_t* vdst = vc + blk[row] * v_cache.stride(0) + off[row] * v_cache.stride(1) + head * v_cache.stride(2);
+          std::memcpy(kdst, kr, d * sizeof(scalar_t));
+          std::memcpy(vdst, vr, d * sizeof(scalar_t));
+        }
+      }
+    });
+  });
+}
+
+// Calls fn(p, row) for context positions lo .. lo + n - 1 (p counts from 0), walking the block table
+// block by block: no division per position.
+template <typename T, typename Fn>
+inline void for_each_row(const int64_t* table, int64_t lo, int64_t n, int64_t bs, int64_t block_stride,
+                         int64_t row_stride, const T* base, Fn&& fn) {
+  int64_t p = 0;
+  for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
+    const T* rows = base + table[blk] * block_stride;
+    for (; off < bs && p < n; ++off, ++p) fn(p, rows + off * row_stride);
+  }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The AVX-512 form of attend_item for head dims that are a multiple of 16 (up to 256): q and the
+// accumulators stay in registers, each K row is converted once and dotted with every head of the group.
+template <typename T, int64_t HD>
+void attend_item_avx512(const T* q, int64_t qh, const T* kp, const T* vp, const int64_t* table, int64_t lo,
+                        int64_t n, int64_t bs, int64_t kb, int64_t kt, int64_t vb, int64_t vt, int64_t g,
+                        float scale, T* out, int64_t oh, std::vector<float>& buf) {
+  constexpr int64_t V = HD / 16;
+  buf.resize(g * n + 16);
+  float* scores = buf.data();
+  for (int64_t j0 = 0; j0 < g; j0 += 4) {  // up to 4 heads at a time: 4 * V <= 16 registers of q
+    const int64_t gj = std::min<int64_t>(4, g - j0);
+    __m512 qv[4][V];
+    for (int64_t j = 0; j < gj; ++j)
+      for (int64_t c = 0; c < V; ++c)
+        qv[j][c] = _mm512_mul_ps(load16(q + (j0 + j) * qh + c * 16), _mm512_set1_ps(scale));
+    for_each_row(table, lo, n, bs, kb, kt, kp, [&](int64_t p, const T* kr) {
+      __m512 kv[V];
+      for (int64_t c = 0; c < V; ++c) kv[c] = load16(kr + c * 16);
+      for (int64_t j = 0; j < gj; ++j) {
+        __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
+        for (int64_t c = 1; c < V; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
+        scores[(j0 + j) * n + p] = _mm512_reduce_add_ps(acc);
+      }
+    });
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* sc = scores + j * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < n; ++p) {
+      sc[p] = fast_exp(sc[p] - mx);
+      sum += sc[p];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t p = 0; p < n; ++p) sc[p] *= inv;
+  }
+  for (int64_t j0 = 0; j0 < g; j0 += 2) {  // two heads' accumulators at a time: 2 * V <= 32 registers
+    const int64_t gj = std::min<int64_t>(2, g - j0);
+    __m512 acc[2][V];
+    for (int64_t j = 0; j < 2; ++j)
+      for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_setzero_ps();
+    for_each_row(table, lo, n, bs, vb, vt, vp, [&](int64_t p, const T* vr) {
+      for (int64_t c = 0; c < V; ++c) {
+        const __m512 v = load16(vr + c * 16);
+        for (int64_t j = 0; j < gj; ++j)
+          acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(j0 + j) * n + p]), v, acc[j][c]);
+      }
+    });
+    for (int64_t j = 0; j < gj; ++j) {
+      alignas(64) float tmp[HD];
+      for (int64_t c = 0; c < V; ++c) _mm512_store_ps(tmp + c * 16, acc[j][c]);
+      for (int64_t i = 0; i < HD; ++i) store(out + (j0 + j) * oh + i, tmp[i]);
+    }
+  }
+}
+#endif
+
+// One (sequence, KV head) work item of decode attention: its G query heads over n context positions.
+// HD is the head dim when known at compile time (64, 128: fully unrolled SIMD), else 0 (runtime d).
+template <typename T, int64_t HD>
+void attend_item(const T* q, int64_t qh, const T* kp, const T* vp, const int64_t* table, int64_t lo, int64_t n,
+                 int64_t bs, int64_t kb, int64_t kt, int64_t vb, int64_t vt, int64_t g, int64_t d_rt, float scale,
+                 T* out, int64_t oh, std::vector<float>& buf) {
+  const int64_t d = HD > 0 ? HD : d_rt;
+  buf.resize(g * d * 2 + g * n + d);
+  float* qf = buf.data();
+  float* acc = qf + g * d;
+  float* scores = acc + g * d;
+  float* row = scores + g * n;
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t i = 0; i < d; ++i) qf[j * d + i] = load(q + j * qh + i) * scale;
+  for_each_row(table, lo, n, bs, kb, kt, kp, [&](int64_t p, const T* kr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) row[i] = load(kr + i);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = qf + j * d;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < d; ++i) s += qj[i] * row[i];
+      scores[j * n + p] = s;
+    }
+  });
+  for (int64_t j = 0; j < g; ++j) {
+    float* sc = scores + j * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < n; ++p) {
+      sc[p] = fast_exp(sc[p] - mx);
+      sum += sc[p];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t p = 0; p < n; ++p) sc[p] *= inv;
+  }
+  std::fill(acc, acc + g * d, 0.f);
+  for_each_row(table, lo, n, bs, vb, vt, vp, [&](int64_t p, const T* vr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) row[i] = load(vr + i);
+    for (int64_t j = 0; j < g; ++j) {
+      const float w = scores[j * n + p];
+      float* a = acc + j * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] += w * row[i];
+    }
+  });
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t i = 0; i < d; ++i) store(out + j * oh + i, acc[j * d + i]);
+}
+
+// Decode attention, one query token per sequence: sequence b attends over its own ctx_lens[b] positions
+// (the last `window` of them when window > 0) through block_tables[b]. Work is proportional to the sum of
+// the context lengths: one work item per (sequence, KV head), its G = H / KVH query heads together, so
+// each K and V row is read once. out [B, H, D] contiguous, q [B, H, D] strided; caches [NB, BS, KVH, D]
+// strided; tables [B, W] int64.
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& ctx_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous() && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode_attention: layout");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong &&
+              block_tables.stride(1) == 1, "paged_decode_attention: int64 tables and lengths");
+  const int64_t nseq = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2), g = h / kvh;
+  TORCH_CHECK(h % kvh == 0, "paged_decode_attention: H must be a multiple of KVH");
+  const int64_t* tab = block_tables.data_ptr<int64_t>();
+  const int64_t tab_stride = block_tables.stride(0);
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1), nb = k_cache.size(0);
+  TORCH_CHECK(block_tables.size(0) == nseq && ctx_lens.size(0) == nseq, "paged_decode_attention: one table per sequence");
+  for (int64_t s = 0; s < nseq; ++s) {  // a wrong table would read outside the cache: refuse it
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= width * bs, "paged_decode_attention: context length out of range");
+    for (int64_t i = 0; i < (lens[s] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tab[s * tab_stride + i] >= 0 && tab[s * tab_stride + i] < nb, "paged_decode_attention: block id out of range");
+  }
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  BATON_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, nseq * kvh, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> buf;
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t seq = item / kvh, head = item % kvh;
+        const int64_t len = lens[seq];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const scalar_t* qi = qp + seq * qs + head * g * qh;
+        const scalar_t* ki = kp + head * kh;
+        const scalar_t* vi = vp + head * vh;
+        const int64_t* ti = tab + seq * tab_stride;
+        scalar_t* oi = op + (seq * h + head * g) * d;
+        const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
+        if (d == 64) {
+          attend_item_avx512<scalar_t, 64>(qi, qh, ki, vi, ti, lo, len - lo, bs, kb, kt, vb, vt, g, sc, oi, d, buf);
+          continue;
+        }
+        if (d == 128) {
+          attend_item_avx512<scalar_t, 128>(qi, qh, ki, vi, ti, lo, len - lo, bs, kb, kt, vb, vt, g, sc, oi, d, buf);
+          continue;
+        }
+#endif
+        attend_item<scalar_t, 0>(qi, qh, ki, vi, ti, lo, len - lo, bs, kb, kt, vb, vt, g, d, sc, oi, d, buf);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(baton, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gu) -> ()");
+  m.def("rope_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor ctx_lens, float scale, int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_and_cache", &rope_and_cache);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

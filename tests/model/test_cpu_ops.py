@@ -1,0 +1,101 @@
+"""Baton's C++ CPU kernels (engine/csrc/cpu_ops.cpp) against their torch references, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import cpu_ops
+
+pytestmark = pytest.mark.model
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert cpu_ops.kernels_enabled(), "the CPU kernels did not build on this machine (see the log)"
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_activation_match_torch(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    close(cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_ref(x, w, 1e-5), dtype)
+    want_res = res + x
+    want = cpu_ops.rms_norm_ref(want_res, w, 1e-5)
+    got, got_res = cpu_ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    assert torch.equal(got_res, want_res)  # the residual is rounded exactly like an unfused add
+    close(got, want, dtype)
+    gu = torch.randn(5, 2 * 40, generator=g).to(dtype)
+    close(cpu_ops.silu_and_mul(gu), cpu_ops.silu_and_mul_ref(gu), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_cache_rotates_strided_views_and_fills_the_slots(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    t, h, kvh, d, bs, nb = 6, 4, 2, 16, 4, 8
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)  # q, k, v are strided views, as in the model
+    cos = torch.randn(32, d // 2, generator=g)
+    sin = torch.randn(32, d // 2, generator=g)
+    positions = torch.tensor([0, 5, 9, 10, 11, 31])
+    blocks, offsets = torch.tensor([3, 1, 2, 2, 2, 7]), torch.tensor([0, 1, 1, 2, 3, 3])
+    caches = [torch.zeros(nb, 2, bs, kvh, d, dtype=dtype) for _ in range(2)]  # [NB, K/V, BS, KVH, D]
+
+    def run(fn: object, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = qkv.clone()
+        q, k, v = x.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+        return fn(q, k, v, cos, sin, positions, cache[:, 0], cache[:, 1], blocks, offsets)  # type: ignore[operator]
+
+    def reference(q, k, v, cos, sin, pos, kc, vc, blk, off):  # type: ignore[no-untyped-def]
+        c, s = cos[pos].unsqueeze(1).float(), sin[pos].unsqueeze(1).float()
+        q2, k2 = cpu_ops.apply_rope(q.float(), c, s).to(dtype), cpu_ops.apply_rope(k.float(), c, s).to(dtype)
+        cpu_ops.write_kv(kc, vc, k2, v, blk, off)
+        return q2, k2
+
+    q_got, k_got = run(cpu_ops.rope_and_cache, caches[0])
+    q_want, k_want = run(reference, caches[1])
+    close(q_got, q_want, dtype)
+    close(k_got, k_want, dtype)
+    close(caches[0], caches[1], dtype)
+    assert caches[0][3, 0, 0].abs().sum() > 0 and caches[0][0].abs().sum() == 0  # written where told, only there
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_varlen_decode_attention_matches_the_padded_reference(dtype: torch.dtype, window: int | None) -> None:
+    g = torch.Generator().manual_seed(2)
+    h, kvh, d, bs, nb = 6, 2, 32, 4, 48
+    lens = [1, 37, 4, 13, 100]  # one long sequence among short ones
+    cache = torch.randn(nb, 2, bs, kvh, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks scattered over the cache
+    tables, at = [], 0
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(perm[at : at + need])
+        at += need
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), h + 1, d, generator=g).to(dtype)[:, :h]  # strided, like a view of qkv
+    ctx = torch.tensor(lens)
+    got = cpu_ops.paged_decode_attention(q, cache[:, 0], cache[:, 1], table, ctx, d**-0.5, window)
+    want = cpu_ops.paged_decode_attention_ref(q, cache[:, 0], cache[:, 1], table, ctx, d**-0.5, window)
+    close(got, want, dtype)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        cpu_ops.paged_decode_attention(q, cache[:, 0], cache[:, 1], table, ctx + width * bs, d**-0.5, window)
+
+
+def test_the_torch_fallback_serves_when_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 8)
+    w = torch.ones(8)
+    monkeypatch.setattr(cpu_ops, "_loaded", False)
+    assert not cpu_ops.use_kernels(x)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), cpu_ops.rms_norm_ref(x, w, 1e-6))
