@@ -94,12 +94,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x); the kernel updates both tensors in place."""
-    if use_kernels(x) and x.is_contiguous() and residual.is_contiguous():
+    """(rms_norm(residual + x) in x's dtype, residual + x in fp32); the kernel updates both in place.
+    The residual stream stays fp32: it sums every layer's output, where bf16 rounding would add up."""
+    if use_kernels(x) and x.is_contiguous() and residual.is_contiguous() and residual.dtype == torch.float32:
         torch.ops.baton.add_rms_norm(x, residual, weight, eps)
         return x, residual
-    residual = residual + x
-    return rms_norm_ref(residual, weight, eps), residual
+    residual = residual + x.float()
+    return rms_norm_ref(residual, weight, eps).to(x.dtype), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] → [T, I]

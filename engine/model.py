@@ -125,7 +125,7 @@ class DecoderLayer(nn.Module):
         """x: the previous sublayer's output (the embeddings for layer 0), residual: the stream before
         it (None for layer 0). Returns this layer's MLP output and the stream before it."""
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x), x.float()
         else:
             x, residual = self.input_layernorm.add(x, residual)
         x = self.self_attn(x, meta, kv_layer, rope)
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, meta, kv_cache[:, i], self.rope)
-        return x if residual is None else residual + x
+        return x if residual is None else (residual + x.float()).to(x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] → [S, V] fp32
         h = self.norm(hidden)

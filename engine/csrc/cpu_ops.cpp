@@ -89,24 +89,22 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double 
   });
 }
 
-// residual += x (rounded to the dtype, as an unfused add would), then x = rms_norm(residual) * w; in place.
+// residual += x, then x = rms_norm(residual) * w; in place. The residual stream is fp32 whatever x's
+// dtype: it carries every layer's sum, where bf16 rounding would add up over 30+ layers.
 void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && w.is_contiguous(), "add_rms_norm: layout");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && w.scalar_type() == x.scalar_type(), "add_rms_norm: fp32 residual");
   const int64_t t = x.size(0), n = x.size(1);
   BATON_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
+    float* rp = residual.data_ptr<float>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
     at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> r(n);
       for (int64_t row = b; row < e; ++row) {
         scalar_t* xr = xp + row * n;
-        scalar_t* rr = rp + row * n;
-        for (int64_t i = 0; i < n; ++i) {
-          store(rr + i, load(xr + i) + load(rr + i));
-          r[i] = load(rr + i);
-        }
-        norm_row(r.data(), wp, xr, n, static_cast<float>(eps));
+        float* rr = rp + row * n;
+        for (int64_t i = 0; i < n; ++i) rr[i] += load(xr + i);
+        norm_row(rr, wp, xr, n, static_cast<float>(eps));
       }
     });
   });

@@ -101,7 +101,7 @@ class WorkerProcess(ServiceProcess):
     def __init__(self, role: str, model: Path, log_dir: Path, *flags: str) -> None:
         super().__init__(f"worker-{role}", log_dir, "worker", "--role", role, "--model", str(model),
                          "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", "16MiB", "--threads", "1",
-                         *flags)
+                         "--dtype", "float32", *flags)
         self.role = role
         self.stub: worker_pb2_grpc.WorkerStub | None = None
 

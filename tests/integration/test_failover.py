@@ -149,7 +149,7 @@ def offline(tiny_llama: Path) -> dict[str, Any]:
     """What the engine produces offline for the same prompts (greedy, ignore_eos)."""
     from engine import LLM
 
-    llm = LLM(str(tiny_llama), kv_cache_memory=32 << 20, num_threads=1)
+    llm = LLM(str(tiny_llama), kv_cache_memory=32 << 20, dtype="float32", num_threads=1)
     streams = llm.generate([_prompt(i) for i in range(NUM_STREAMS)],
                            SamplingParams(max_tokens=MIGRATE_TOKENS, temperature=0, ignore_eos=True))
     # Long prompts whose first output token is a whole character: a P → D handoff whose first token is

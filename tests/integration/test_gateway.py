@@ -96,7 +96,7 @@ def offline(tiny_llama: Path) -> dict[str, Any]:
     """What the engine produces offline for the same prompts (greedy)."""
     from engine import LLM
 
-    llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20, num_threads=1)
+    llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20, dtype="float32", num_threads=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     outs = llm.generate(PROMPTS, params)
     chat = llm.chat(CHAT, params)[0]

@@ -35,7 +35,7 @@ def prefill_worker_main(model: str | None, backend: str, lease_ttl_s: float, con
     from prefill_worker.handoff import PrefillHandoff
 
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=KV_MEMORY if model else 64 << 20))
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory=KV_MEMORY if model else 64 << 20))
     transport = make_transport(backend, f"prefill-{backend}-{os.getpid()}", kv_layout(engine))
     handoff = PrefillHandoff(engine, transport, lease_ttl_s)
     conn.send(handoff.transport.metadata())
@@ -96,7 +96,7 @@ class PrefillProcess:
 
 
 def decode_engine(model: str | None, backend: str) -> tuple[LLMEngine, DecodeHandoff]:
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=KV_MEMORY if model else 64 << 20))
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory=KV_MEMORY if model else 64 << 20))
     return engine, DecodeHandoff(engine, make_transport(backend, f"decode-{backend}-{time.monotonic_ns()}",
                                                         kv_layout(engine)))
 
@@ -124,7 +124,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def test_disaggregated_greedy_equals_one_process(tiny_llama: Path, backend: str) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     batch = prompts(5, seed=11)
-    reference = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_MEMORY))
+    reference = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=KV_MEMORY))
     for i, p in enumerate(batch):
         reference.add_request(f"r{i}", p, params)
     expected = run_until_done(reference, [f"r{i}" for i in range(len(batch))])
@@ -175,7 +175,7 @@ def test_partial_prefix_hit_pulls_only_missing_blocks(tiny_llama: Path, backend:
 @pytest.mark.slow
 def test_default_model_one_prompt_over_nixl() -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    reference = LLMEngine(EngineConfig(model=None, kv_cache_memory=64 << 20))
+    reference = LLMEngine(EngineConfig(model=None, dtype="float32", kv_cache_memory=64 << 20))
     ids = reference.tokenizer.encode("The capital of France is")
     reference.add_request("ref", ids, params)
     expected = run_until_done(reference, ["ref"])["ref"]
@@ -250,7 +250,7 @@ def test_source_killed_during_the_pull(tiny_llama: Path, backend: str) -> None:
     then the request must decode exactly as one process would. Either way nothing leaks."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ids = list(range(3, 200))
-    reference = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_MEMORY))
+    reference = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=KV_MEMORY))
     reference.add_request("ref", ids, params)
     expected = run_until_done(reference, ["ref"])["ref"]
     prefill = PrefillProcess(str(tiny_llama), backend)
@@ -352,7 +352,7 @@ def test_incompatible_peers_are_rejected_with_a_clear_message(tiny_llama: Path) 
 
     prefill = PrefillProcess(str(tiny_llama), "tcp")
     try:
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=KV_MEMORY, block_size=32))
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=KV_MEMORY, block_size=32))
         handoff = DecodeHandoff(engine, make_transport("tcp", "decode-bs32", kv_layout(engine)))
         with pytest.raises(KVIncompatible, match="block_size"):
             handoff.add_peer(prefill.metadata)

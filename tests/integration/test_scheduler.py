@@ -56,7 +56,7 @@ class Cluster:
 
     async def start_worker(self, role: str) -> tuple[str, worker_pb2_grpc.WorkerStub]:
         assert self.scheduler is not None
-        w = await serve_worker(WorkerConfig(role=role, model=str(self.model), kv_transport="tcp",
+        w = await serve_worker(WorkerConfig(role=role, model=str(self.model), kv_transport="tcp", dtype="float32",
                                             kv_cache_memory=4 << 20, threads=1, scheduler=self.scheduler.address,
                                             redis_url=self.redis_url))
         self.workers[w.address] = w

@@ -147,7 +147,7 @@ def offline(tiny_llama: Path) -> list[tuple[list[int], str]]:
     """v1's output offline for the prompts (greedy)."""
     from engine import LLM
 
-    llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20, num_threads=1)
+    llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20, dtype="float32", num_threads=1)
     return [(o.token_ids, o.text) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
 
 

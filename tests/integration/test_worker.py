@@ -22,7 +22,7 @@ GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=Tr
 
 
 async def start(model: Path, role: str, **kw: object) -> tuple[WorkerServer, worker_pb2_grpc.WorkerStub]:
-    server = await serve_worker(WorkerConfig(role=role, model=str(model), kv_transport="tcp",
+    server = await serve_worker(WorkerConfig(role=role, model=str(model), kv_transport="tcp", dtype="float32",
                                              kv_cache_memory=8 << 20, threads=1, **kw))  # type: ignore[arg-type]
     return server, worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(server.address))
 
@@ -53,7 +53,7 @@ async def collect(stream: AsyncIterator[worker_pb2.DecodeResponse]) -> tuple[lis
 def offline(tiny_llama: Path) -> list[int]:
     from engine import LLM
 
-    out = LLM(str(tiny_llama), kv_cache_memory=8 << 20).generate(
+    out = LLM(str(tiny_llama), kv_cache_memory=8 << 20, dtype="float32").generate(
         [list(range(3, 70))], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     return out[0].token_ids
 

@@ -46,7 +46,7 @@ def test_seeded_sampling_is_batch_independent(tiny_llama: Path) -> None:
 def test_preemption_keeps_greedy_outputs_and_leaks_nothing(tiny_llama: Path) -> None:
     batch = random_prompts(12, seed=2)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    big = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(batch, params)
+    big = LLM(str(tiny_llama), kv_cache_memory=16 << 20, dtype="float32").generate(batch, params)
 
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block_size * kv_heads * head_dim * fp32
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=16 * block_bytes, max_model_len=256,

@@ -1,0 +1,76 @@
+"""How close a model version's next-token distributions are to another's, on the same tokens.
+
+`teacher_forced_logits` runs one sequence through an engine's model in one prefill and returns the logits
+of every position (the sequence is fed as is, whatever the model would have picked: teacher forcing);
+it uses a scratch KV cache of its own, so a serving engine's blocks are never touched. `compare` turns
+two versions' logits over the same tokens into the figures a rollout is judged by: argmax agreement,
+the mean KL divergence of the candidate from the reference, and each one's NLL of the actual tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.model import LlamaForCausalLM
+from engine.model_runner import kv_cache_shape
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """Reference vs candidate over ``num_positions`` next-token predictions."""
+
+    num_positions: int
+    argmax_agreement: float  # share of positions whose most likely next token is the same
+    mean_kl: float  # mean KL(reference || candidate), nats
+    ref_nll: float  # mean negative log-likelihood of the actual next tokens, nats
+    cand_nll: float
+
+    @property
+    def nll_ratio(self) -> float:
+        return self.cand_nll / self.ref_nll if self.ref_nll else float("inf")
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: LlamaForCausalLM, token_ids: Sequence[int], block_size: int = 16) -> torch.Tensor:
+    """fp32 logits ``[n, V]`` of positions 0..n-1 of ``token_ids`` (row i predicts token i + 1)."""
+    n = len(token_ids)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    num_blocks = -(-n // block_size)
+    kv = torch.zeros(kv_cache_shape(model.config, num_blocks, block_size), dtype=dtype, device=device)
+    positions = torch.arange(n, device=device)
+    table = torch.arange(num_blocks, device=device)
+    meta = AttentionMetadata(
+        positions=positions, slot_blocks=positions // block_size, slot_offsets=positions % block_size,
+        num_decode_tokens=0, decode_block_tables=torch.empty(0, 0, dtype=torch.long, device=device),
+        decode_ctx_lens=torch.empty(0, dtype=torch.long, device=device),
+        prefills=[PrefillSpan(0, n, 0, table, None)],
+        block_tables=table.unsqueeze(0), token_seq_ids=torch.zeros(n, dtype=torch.int32, device=device),
+    )
+    hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=device), meta, kv)
+    return model.compute_logits(hidden)
+
+
+def compare(ref_logits: Sequence[torch.Tensor], cand_logits: Sequence[torch.Tensor],
+            sequences: Sequence[Sequence[int]], num_last: int | None = None) -> Agreement:
+    """Figures over the predictions of each sequence's last ``num_last`` tokens (default: of every token
+    after the first)."""
+    agree = kl = ref_nll = cand_nll = 0.0
+    count = 0
+    for ref, cand, seq in zip(ref_logits, cand_logits, sequences, strict=True):
+        start = 0 if num_last is None else len(seq) - 1 - num_last
+        ref, cand = ref[start:-1].float(), cand[start:-1].float()
+        targets = torch.tensor(list(seq[start + 1:]), device=ref.device)
+        ref_lp, cand_lp = ref.log_softmax(-1), cand.log_softmax(-1)
+        agree += float((ref.argmax(-1) == cand.argmax(-1)).sum())
+        kl += float((ref_lp.exp() * (ref_lp - cand_lp)).sum())
+        ref_nll -= float(ref_lp.gather(1, targets.unsqueeze(1)).sum())
+        cand_nll -= float(cand_lp.gather(1, targets.unsqueeze(1)).sum())
+        count += len(targets)
+    if count == 0:
+        raise ValueError("no positions to compare")
+    return Agreement(count, agree / count, kl / count, ref_nll / count, cand_nll / count)
