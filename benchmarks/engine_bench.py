@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import step_floor
 from benchmarks.report import REPO_ROOT, MachineInfo, provenance, table
 from benchmarks.step_profile import measure_step_breakdown, random_prompts
 
@@ -127,14 +128,14 @@ def _others_cpu_pct(before: tuple[int, int, int] | None, after: tuple[int, int, 
     return max(0.0, 100.0 * (busy - own) / total)
 
 
-def run_baton(w: Workload) -> ContenderResult:
+def run_baton(w: Workload, dtype: str = "auto", name: str = "baton") -> ContenderResult:
     from core.sampling_params import SamplingParams
     from engine.llm import LLM
 
     model_dir = _model_dir()
     t0 = time.perf_counter()
     llm = LLM(model=None, kv_cache_memory=_kv_cache_memory(w, _hf_config(model_dir)),
-              max_num_seqs=w.num_requests, num_threads=w.num_threads)
+              max_num_seqs=w.num_requests, num_threads=w.num_threads, dtype=dtype)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
 
@@ -145,9 +146,15 @@ def run_baton(w: Workload) -> ContenderResult:
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             end = time.perf_counter()
-        return ContenderResult("baton", end - start, end - clock["all_first"], token_ids=[o.token_ids for o in outs])
+        return ContenderResult(name, end - start, end - clock["all_first"], token_ids=[o.token_ids for o in outs])
 
-    return _timed("baton", load_s, once, w)
+    result = _timed(name, load_s, once, w)
+    result.detail["dtype"] = str(llm.engine.runner.dtype).removeprefix("torch.")
+    return result
+
+
+def run_baton_fp32(w: Workload) -> ContenderResult:
+    return run_baton(w, dtype="float32", name="baton_fp32")
 
 
 @contextmanager
@@ -171,21 +178,21 @@ def _first_token_clock(engine: Any, num_requests: int) -> Iterator[dict[str, flo
         del engine.step
 
 
-def _load_hf() -> tuple[Any, float, int]:
+def _load_hf(dtype: torch.dtype = torch.float32) -> tuple[Any, float, int]:
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(), dtype=dtype).eval()
     # EOS off for real: an eos_token_id=None in a GenerationConfig argument is refilled from the model's.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model, time.perf_counter() - t0, model.config.vocab_size
 
 
-def run_hf_generate(w: Workload) -> ContenderResult:
+def run_hf_generate(w: Workload, dtype: torch.dtype = torch.float32, name: str = "hf_generate") -> ContenderResult:
     from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-    model, load_s, vocab = _load_hf()
+    model, load_s, vocab = _load_hf(dtype)
 
     class Stamps(StoppingCriteria):  # called once per generated token: notes when, never stops
         def __init__(self) -> None:
@@ -206,7 +213,11 @@ def run_hf_generate(w: Workload) -> ContenderResult:
         end = time.perf_counter()
         return ContenderResult("", end - start, end - stamps.times[0], token_ids=out[:, wl.prompt_len:].tolist())
 
-    return _timed("hf_generate", load_s, once, w)
+    return _timed(name, load_s, once, w)
+
+
+def run_hf_generate_bf16(w: Workload) -> ContenderResult:
+    return run_hf_generate(w, torch.bfloat16, "hf_generate_bf16")
 
 
 def run_hf_generate_batch(w: Workload) -> ContenderResult:
@@ -303,8 +314,10 @@ def run_profile(w: Workload) -> ContenderResult:
 
 
 CONTENDERS: dict[str, tuple[str, Callable[[Workload], ContenderResult]]] = {
-    "baton": ("Baton `LLM.generate`", run_baton),
+    "baton": ("Baton `LLM.generate` (dtype auto)", run_baton),
+    "baton_fp32": ("Baton `LLM.generate`, float32", run_baton_fp32),
     "hf_generate": ("transformers static `generate`", run_hf_generate),
+    "hf_generate_bf16": ("transformers static `generate`, bfloat16", run_hf_generate_bf16),
     "hf_generate_batch": ("transformers `generate_batch` (continuous batching)", run_hf_generate_batch),
     "bare_loop": ("bare torch decode loop (the ceiling)", run_bare_loop),
 }
@@ -377,7 +390,9 @@ def run_section(quick: bool, command: str, threads: int | None = None,
         r = results[name]
         status = r.error or (f"{r.output_tok_s(w):.1f} tok/s" if r.wall_s else "done")
         log(f"[engine] {name}: {status} ({time.perf_counter() - t0:.0f} s with load and warm-up)")
-    return render_section(w, results, commands, provenance(machine, command), os.getloadavg(), quick)
+    floor, floor_command = step_floor.run_all(w.num_threads, 8 if quick else 24, timeout_s, log)
+    return (render_section(w, results, commands, provenance(machine, command), os.getloadavg(), quick)
+            + "\n" + step_floor.render(floor, floor_command))
 
 
 # ------------------------------------------------------------------ the Markdown
@@ -404,7 +419,8 @@ def render_section(w: Workload, results: dict[str, ContenderResult], commands: d
         "",
         header.rstrip("\n") + f"  \nLoad average at the end: {load}. transformers {transformers.__version__}.",
         "",
-        f"Workload: the default model (SmolLM2-135M-Instruct, fp32 on CPU); {w.num_requests} requests x "
+        f"Workload: the default model (SmolLM2-135M-Instruct; Baton in its default dtype and in fp32, "
+        f"transformers in fp32 and bf16); {w.num_requests} requests x "
         f"{w.prompt_len} prompt tokens (random ids, seed {w.seed}, the same for every contender) x "
         f"{w.output_len} output tokens, greedy, EOS ignored. Each contender ran in its own fresh process with "
         f"`torch.set_num_threads({w.num_threads})`, one after another: a small warm-up run, then "
@@ -419,6 +435,7 @@ def render_section(w: Workload, results: dict[str, ContenderResult], commands: d
         "similar values). Greedy fp32 near-ties may flip a late token between implementations.",
         "",
         _goals(tok["baton"], tok["hf_generate"], tok["bare_loop"]),
+        _dtype_goals(tok, results["baton"].detail.get("dtype")),
         "",
         "The contenders, each reproducible alone (the command prints its result as JSON):",
         "",
@@ -456,6 +473,8 @@ def _render_profile(w: Workload, r: ContenderResult, command: str) -> str:
 _HOW = {
     "baton": "`LLM(model=None, max_num_seqs=N).generate(token_ids, SamplingParams(max_tokens, temperature=0, "
              "ignore_eos=True))`, KV cache sized to twice the workload, default token budget.",
+    "baton_fp32": "the same with `dtype=\"float32\"`.",
+    "hf_generate_bf16": "the same as static `generate` with the weights loaded in bfloat16.",
     "hf_generate": "`AutoModelForCausalLM.generate` on one [N, P] batch, `do_sample=False`, "
                    "`min_new_tokens = max_new_tokens`, EOS cleared from the model's generation config, "
                    "default (dynamic) cache, SDPA attention.",
@@ -481,6 +500,19 @@ def _goals(baton: float | None, static: float | None, bare: float | None) -> str
         return f"Baton >= {target}x {what}: **{'met' if ratio >= target else 'not met'}** ({ratio:.2f}x)."
 
     return "Goals: " + goal(1.5, static, "static generate") + " " + goal(0.8, bare, "the bare loop")
+
+
+def _dtype_goals(tok: dict[str, float | None], baton_dtype: str | None) -> str:
+    """Issue 14's throughput goals: Baton at 16 x 128 x 128 against static generate in each dtype."""
+    def goal(ours: str, ref: str, target: float) -> str:
+        if tok.get(ours) is None or tok.get(ref) is None:
+            return f"**not measured** ({ours} or {ref} failed)"
+        ratio = tok[ours] / tok[ref]  # type: ignore[operator]
+        return f"**{'met' if ratio >= target else 'not met'}** ({ratio:.2f}x, goal >= {target}x)"
+
+    return ("Baton (dtype auto = " + (baton_dtype or "?") + ") ÷ static generate in fp32: "
+            + goal("baton", "hf_generate", 3.0) + ". Baton ÷ static generate in bf16: "
+            + goal("baton", "hf_generate_bf16", 1.5) + ".")
 
 
 def _agreement(r: ContenderResult, ref: ContenderResult) -> str:

@@ -239,7 +239,7 @@ Baton is up — model {model_name}
 
 Try it:
   curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
+    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Which city is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
 Press Ctrl-C to stop everything.
 """.rstrip()

@@ -128,7 +128,7 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
         client = OpenAI(base_url=f"{up.http}/v1", api_key="unused", timeout=120)
         model = client.models.list().data[0].id
         chunks = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            model=model, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
             max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert "Paris" in text

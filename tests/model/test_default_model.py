@@ -35,7 +35,7 @@ def test_capital_of_france(llm: LLM) -> None:
 
 
 def test_chat_answers_paris(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": "Which city is the capital of France?"}],
                    SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop", "the chat turn ends on <|im_end|>"
@@ -61,7 +61,7 @@ def test_cli_generate_streams_paris() -> None:
 
 
 def test_cli_chat_answers_paris() -> None:
-    res = baton("generate", "--chat", "What is the capital of France?", "--temperature", "0")
+    res = baton("generate", "--chat", "Which city is the capital of France?", "--temperature", "0")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
 

@@ -1,0 +1,232 @@
+"""A decode step against its floor: the same step's weight GEMMs alone, same dtype, same batch, one run.
+
+For each precision (fp32, bf16, int8 weight-only) a fresh process loads the default model, then, with
+the model's own projection modules (the kernels the engine calls) and ``F.linear`` on the same weights
+in the same dtype, times one step's worth of products on random activations — the faster of the two is
+the floor — and times real engine decode steps at batch 1 and 16 (128-token prompts). It also times a
+batch of short requests with and without one 2048-token request among them, and reads the resident
+memory. Run one precision alone (prints JSON):
+
+    python -m benchmarks.step_floor --precision bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.step_profile import random_prompts
+
+PRECISIONS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("bfloat16", "int8")}
+BATCHES = (1, 16)
+PROMPT_LEN = 128
+LONG_CONTEXT = 2048
+
+
+@dataclass(slots=True)
+class FloorResult:
+    precision: str
+    dtype: str = ""
+    step_ms: dict[str, float] = field(default_factory=dict)  # batch → engine decode step
+    floor_ms: dict[str, float] = field(default_factory=dict)  # batch → the faster of the two GEMM loops
+    own_gemm_ms: dict[str, float] = field(default_factory=dict)  # batch → the engine's projection modules
+    f_linear_ms: dict[str, float] = field(default_factory=dict)  # batch → F.linear, same weights and dtype
+    short_ms: float | None = None  # 15 short requests decoding
+    with_long_ms: float | None = None  # the same 15 and one request at 2048 tokens of context
+    rss_mib: float | None = None
+    weight_mib: float | None = None
+    kernels: bool = False
+    error: str | None = None
+
+
+def _best(fn: Callable[[], Any], reps: int, rounds: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e3
+
+
+def _projections(model: Any) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """(module, plain weight in the run's dtype) for every projection a decode step multiplies by."""
+    from engine.linear import Int8Linear, PackedLinear
+
+    out = []
+    for m in [*model.layers.modules(), model.lm_head]:
+        if isinstance(m, torch.nn.Linear):
+            out.append((m, m.weight.detach()))
+        elif isinstance(m, Int8Linear):
+            out.append((m, m.dequantized().to(m.scales.dtype)))
+        elif isinstance(m, PackedLinear):
+            out.append((m, torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16).normal_(0, 0.02)))
+    return out
+
+
+@torch.inference_mode()
+def gemm_floor(model: Any, dtype: torch.dtype, batch: int, int8: bool) -> tuple[float, float | None]:
+    """(own modules ms, F.linear ms or None for int8) for one step's products at ``batch`` rows."""
+    proj = _projections(model)
+    xs = {k: torch.randn(batch, k, dtype=dtype) for k in {m_w[1].shape[1] for m_w in proj}}
+    own = _best(lambda: [m(xs[w.shape[1]]) for m, w in proj], reps=5)
+    if int8:  # the same dtype is int8: F.linear has no int8 weights to multiply by
+        return own, None
+    plain = _best(lambda: [F.linear(xs[w.shape[1]], w) for _, w in proj], reps=5)
+    return own, plain
+
+
+def _decode_steps_ms(engine: Any, prompt_lens: list[int], num_steps: int, seed: int) -> float:
+    from core.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    prompts = [random_prompts(1, n, vocab, seed + i)[0] for i, n in enumerate(prompt_lens)]
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0, ignore_eos=True)
+    ids = [f"floor-{seed}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in engine.step())
+    for _ in range(2):
+        engine.step()
+    times = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished:
+        engine.step()
+    times.sort()
+    return 1e3 * sum(times[: len(times) // 2 + 1]) / (len(times) // 2 + 1)  # the faster half: noise is one-sided
+
+
+def _rss_mib() -> float | None:
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
+
+
+def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> FloorResult:
+    from engine import cpu_ops
+    from engine.llm import LLM
+
+    dtype_name, quantization = PRECISIONS[precision]
+    r = FloorResult(precision)
+    llm = LLM(model=None, dtype=dtype_name, quantization=quantization, kv_cache_memory=512 << 20,
+              max_num_seqs=64, num_threads=num_threads)
+    engine, model = llm.engine, llm.engine.runner.model
+    r.dtype, r.kernels, r.rss_mib = str(engine.runner.dtype).removeprefix("torch."), cpu_ops.kernels_enabled(), _rss_mib()
+    r.weight_mib = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
+    for b in BATCHES:
+        r.step_ms[str(b)] = _decode_steps_ms(engine, [PROMPT_LEN] * b, num_steps, seed=b)
+        own, plain = gemm_floor(model, engine.runner.dtype, b, quantization == "int8")
+        r.own_gemm_ms[str(b)] = own
+        if plain is not None:
+            r.f_linear_ms[str(b)] = plain
+        r.floor_ms[str(b)] = min(own, plain) if plain is not None else own
+    r.short_ms = _decode_steps_ms(engine, [PROMPT_LEN] * 15, num_steps, seed=100)
+    r.with_long_ms = _decode_steps_ms(engine, [PROMPT_LEN] * 15 + [LONG_CONTEXT], num_steps, seed=100)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--precision", choices=sorted(PRECISIONS), required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        result = run_precision(args.precision, args.threads, args.steps)
+    except Exception as e:  # a failed precision is a row with its error
+        result = FloorResult(args.precision, error=f"{type(e).__name__}: {e}")
+    text = json.dumps(asdict(result))
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# ------------------------------------------------------------------ the parent: one run, side by side
+def run_all(threads: int, steps: int, timeout_s: float, log: Callable[[str], None]) -> tuple[dict[str, FloorResult], str]:
+    """Each precision in a fresh process, one after another; returns the results and the command pattern."""
+    import subprocess
+    import tempfile
+
+    from benchmarks.report import REPO_ROOT
+
+    results: dict[str, FloorResult] = {}
+    for precision in PRECISIONS:
+        log(f"[engine] step floor: {precision}")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "floor.json"
+            args = ["-m", "benchmarks.step_floor", "--precision", precision, "--threads", str(threads),
+                    "--steps", str(steps), "--out", str(out)]
+            try:
+                subprocess.run([sys.executable, *args], cwd=REPO_ROOT, stdout=sys.stderr, stderr=sys.stderr,
+                               timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                results[precision] = FloorResult(precision, error=f"timed out after {timeout_s:.0f} s")
+                continue
+            results[precision] = (FloorResult(**json.loads(out.read_text())) if out.exists()
+                                  else FloorResult(precision, error="no result"))
+    return results, f"python -m benchmarks.step_floor --precision P --threads {threads} --steps {steps}"
+
+
+def render(results: dict[str, FloorResult], command: str) -> str:
+    from benchmarks.report import table
+
+    rows, goals = [], []
+    for name, r in results.items():
+        if r.error:
+            rows.append([name, "failed", *["—"] * 7, r.error[:200]])
+            continue
+        for b in map(str, BATCHES):
+            ratio = r.step_ms[b] / r.floor_ms[b]
+            own, plain = r.own_gemm_ms[b], r.f_linear_ms.get(b)
+            rows.append([name, r.dtype, b, f"{r.step_ms[b]:.1f}", f"{own:.1f}", "—" if plain is None else f"{plain:.1f}",
+                         f"{r.floor_ms[b]:.1f}", f"**{ratio:.2f}**", f"{r.rss_mib or 0:.0f} / {r.weight_mib or 0:.0f}",
+                         "yes" if r.kernels else "no"])
+            goals.append(f"{name} batch {b}: {ratio:.2f} ({'met' if ratio <= 1.3 else 'not met'})")
+    long = [f"{n}: {r.with_long_ms / r.short_ms:.2f}x ({r.short_ms:.1f} → {r.with_long_ms:.1f} ms)"
+            for n, r in results.items() if not r.error and r.short_ms and r.with_long_ms]
+    return "\n".join([
+        "### A decode step against its floor (the same step's weight GEMMs alone)",
+        "",
+        f"Command: `{command}` (P = " + ", ".join(PRECISIONS) + f"). Each precision in its own process: {PROMPT_LEN}-token "
+        "prompts decoding; *step*: the faster half of 24 engine steps (scheduling, sampling and "
+        "detokenizing included); *own GEMMs*: one step's products through the model's own projection "
+        "modules (the kernels the engine calls) on random activations of the batch's rows, fastest of 5; "
+        "*F.linear*: the same products with `F.linear` on plain weights of the same dtype; *floor*: the "
+        "faster of the two, so that a slow GEMM path cannot make the ratio look good. *RSS / weights*: the "
+        "process's resident memory after loading (MiB) and the model's weight bytes.",
+        "",
+        table(["precision", "dtype", "batch", "step ms", "own GEMMs ms", "F.linear ms", "floor ms", "step ÷ floor",
+               "RSS / weights MiB", "C++ kernels"], rows, "llrrrrrrrl"),
+        "Goal step ÷ floor <= 1.3: " + "; ".join(goals) + ".",
+        "",
+        "15 short requests (128-token prompts) decoding, alone and with one request at "
+        f"{LONG_CONTEXT} tokens of context in the batch (goal <= 1.2x): " + "; ".join(long) + ".",
+        "",
+    ])
