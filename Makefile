@@ -52,19 +52,17 @@ bench: setup
 	$(PY) -m benchmarks.run
 
 # The peers `make bench` compares Baton with, run here on CPU: `transformers serve` (in .venv) and
-# llama.cpp's OpenAI-compatible server (llama-cpp-python, built from source: ~25 min on 2 cores, once).
-PEERS_VENV ?= .venv-peers
-LLAMA_CPP_PYTHON ?= llama-cpp-python[server]==0.3.36
+# llama.cpp's own server (parallel slots, continuous batching), built from the llama.cpp source the
+# llama-cpp-python sdist vendors (~6 min on 2 cores, once) into .peers/, with the model's GGUF as Q8_0 too.
+PEERS_DIR ?= .peers
 peers: setup
 	$(PIP) install -c constraints.txt -e '.[test,dev,peers]'
-	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -c "import llama_cpp" 2>/dev/null || \
-		$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install '$(LLAMA_CPP_PYTHON)'
+	benchmarks/peers/build_llama_server.sh $(PY) $(PEERS_DIR)
 
 lint: $(STAMP) proto
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_DIR) .pytest_cache .hypothesis .mypy_cache .ruff_cache
 	rm -f proto/baton/v1/*_pb2*.py proto/baton/v1/*_pb2.pyi

@@ -87,14 +87,14 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: torch.Tensor,
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: tuple[torch.Tensor, torch.Tensor],
                 rope: RotaryEmbedding) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D] strided views of the qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]  # [num_blocks, block_size, KVH, D] views
+        k_cache, v_cache = kv_layer  # [num_blocks, block_size, KVH, D] views
         q, k = cpu_ops.rope_and_cache(q, k, v, rope.cos, rope.sin, meta.positions, k_cache, v_cache,
                                       meta.slot_blocks, meta.slot_offsets)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
-                kv_layer: torch.Tensor, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_layer: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output (the embeddings for layer 0), residual: the stream before
         it (None for layer 0). Returns this layer's MLP output and the stream before it."""
         if residual is None:
@@ -131,6 +131,41 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, meta, kv_layer, rope)
         x, residual = self.post_attention_layernorm.add(x, residual)
         return self.mlp(x), residual
+
+
+def _build_decode_plan(model: LlamaForCausalLM) -> tuple[int, list[torch.Tensor]] | None:
+    from engine.linear import Int8Linear, PackedLinear
+
+    none = torch.empty(0)
+
+    def parts(m: nn.Module) -> tuple[int, list[torch.Tensor]] | None:
+        if isinstance(m, PackedLinear):
+            return 1, [m.packed, none if m.bias is None else m.bias, none]
+        if isinstance(m, Int8Linear):
+            return 2, [m.qweight, none if m.bias is None else m.bias, m.scales]
+        if isinstance(m, nn.Linear):
+            return 0, [m.weight.detach(), none if m.bias is None else m.bias.detach(), none]
+        return None
+
+    kinds: set[int] = set()
+    weights: list[torch.Tensor] = []
+    for layer in model.layers:
+        weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            got = parts(proj)
+            if got is None:
+                return None
+            kinds.add(got[0])
+            weights += got[1]
+    if len(kinds) != 1:
+        return None
+    return kinds.pop(), weights  # an empty tensor stands for "no bias" (a Tensor[] cannot hold None)
+
+
+def layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[num_blocks, L, 2, block_size, KVH, D] → per layer (K, V) views [num_blocks, block_size, KVH, D],
+    made once per cache rather than sliced again in every step."""
+    return [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(kv_cache.shape[1])]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -157,13 +192,30 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, KVH, D]
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) views, see `layer_views`
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        if meta.num_decode_tokens == x.shape[0] and not meta.prefills and cpu_ops.use_kernels(x):
+            plan = self._decode_plan()
+            if plan is not None:  # a decode-only step: the whole stack in one C++ call
+                cfg = self.config
+                k_caches, v_caches = [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers]
+                return torch.ops.baton.decode_layers(
+                    x, plan[1], plan[0], meta.positions, meta.slot_blocks, meta.slot_offsets,
+                    meta.decode_block_tables, meta.decode_ctx_lens, self.rope.cos, self.rope.sin, k_caches, v_caches,
+                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+                    cfg.sliding_window or 0)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, meta, kv_cache[:, i], self.rope)
+            x, residual = layer(x, residual, meta, kv_layers[i], self.rope)
         return x if residual is None else (residual + x.float()).to(x.dtype)
+
+    def _decode_plan(self) -> tuple[int, list[torch.Tensor]] | None:
+        """(kind, 14 tensors per layer) for `baton::decode_layers`, built once; None when the layers'
+        projections are not all of one kind it knows (then the Python forward serves)."""
+        if not hasattr(self, "_plan"):
+            self._plan = _build_decode_plan(self)
+        return self._plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] → [S, V] fp32
         h = self.norm(hidden)

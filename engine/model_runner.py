@@ -13,7 +13,7 @@ import torch
 from core.request import RequestId
 from core.step_scheduler import ScheduledRequest, SchedulerOutput
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.model import LlamaForCausalLM
+from engine.model import LlamaForCausalLM, layer_views
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SamplingRow, TokenLogprobs
 
@@ -51,10 +51,20 @@ class ModelRunner:
         )
         self.sampler = Sampler()
 
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor) -> None:
+        """A transport may hand back the cache in other memory (shared memory, registered for NIXL)."""
+        self._kv_cache = cache
+        self.kv_layers = layer_views(cache)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> RunnerOutput:
         input_ids, meta, sample_rows, samplers = self._prepare(out)
-        hidden = self.model(input_ids, meta, self.kv_cache)
+        hidden = self.model(input_ids, meta, self.kv_layers)
         result = RunnerOutput()
         if not samplers:
             return result

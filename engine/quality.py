@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.model import LlamaForCausalLM
+from engine.model import LlamaForCausalLM, layer_views
 from engine.model_runner import kv_cache_shape
 
 
@@ -51,7 +51,7 @@ def teacher_forced_logits(model: LlamaForCausalLM, token_ids: Sequence[int], blo
         prefills=[PrefillSpan(0, n, 0, table, None)],
         block_tables=table.unsqueeze(0), token_seq_ids=torch.zeros(n, dtype=torch.int32, device=device),
     )
-    hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=device), meta, kv)
+    hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=device), meta, layer_views(kv))
     return model.compute_logits(hidden)
 
 

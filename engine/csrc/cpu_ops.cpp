@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -201,62 +202,93 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// The AVX-512 form of attend_item for head dims that are a multiple of 16 (up to 256): q and the
-// accumulators stay in registers, each K row is converted once and dotted with every head of the group.
+// Asks for a block's rows (elements contiguous from `base`) ahead of use, one cache line at a time.
+template <typename T>
+inline void prefetch_block(const T* base, int64_t count) {
+  const char* p = reinterpret_cast<const char*>(base);
+  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// The AVX-512 form, for head dims that are a multiple of 16: one work item is a span of n context
+// positions of one sequence, all its heads, walked block by block so that each block's K (then V) rows
+// of every head are read once, contiguously. It leaves unnormalized partial results for the merge:
+// part[h] = (sum_p e^(s_p - m) v_p [HD floats], m, sum_p e^(s_p - m)).
 template <typename T, int64_t HD>
-void attend_item_avx512(const T* q, int64_t qh, const T* kp, const T* vp, const int64_t* table, int64_t lo,
-                        int64_t n, int64_t bs, int64_t kb, int64_t kt, int64_t vb, int64_t vt, int64_t g,
-                        float scale, T* out, int64_t oh, std::vector<float>& buf) {
+void attend_span_avx512(const T* q, int64_t qs_head, int64_t nh, int64_t g, const T* kp, const T* vp,
+                        const int64_t* table, int64_t lo, int64_t n, int64_t bs, int64_t kb, int64_t kt,
+                        int64_t kh, int64_t vb, int64_t vt, int64_t vh, float scale, float* part,
+                        std::vector<float>& buf) {
   constexpr int64_t V = HD / 16;
-  buf.resize(g * n + 16);
-  float* scores = buf.data();
-  for (int64_t j0 = 0; j0 < g; j0 += 4) {  // up to 4 heads at a time: 4 * V <= 16 registers of q
-    const int64_t gj = std::min<int64_t>(4, g - j0);
-    __m512 qv[4][V];
-    for (int64_t j = 0; j < gj; ++j)
-      for (int64_t c = 0; c < V; ++c)
-        qv[j][c] = _mm512_mul_ps(load16(q + (j0 + j) * qh + c * 16), _mm512_set1_ps(scale));
-    for_each_row(table, lo, n, bs, kb, kt, kp, [&](int64_t p, const T* kr) {
-      __m512 kv[V];
-      for (int64_t c = 0; c < V; ++c) kv[c] = load16(kr + c * 16);
-      for (int64_t j = 0; j < gj; ++j) {
-        __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
-        for (int64_t c = 1; c < V; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
-        scores[(j0 + j) * n + p] = _mm512_reduce_add_ps(acc);
+  constexpr int64_t JB = V <= 4 ? 4 : 2;  // heads per V pass: JB * V accumulators + V rows in registers
+  const int64_t kvh = nh / g;
+  buf.resize(nh * HD + nh * n);
+  float* qf = buf.data();  // [nh][HD], scaled
+  float* sc = qf + nh * HD;  // [nh][n]
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t i = 0; i < HD; ++i) qf[h * HD + i] = load(q + h * qs_head + i) * scale;
+  // Pass 1: scores, block by block.
+  int64_t p = 0;
+  for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
+    const int64_t cnt = std::min(bs - off, n - p);
+    const T* kbase = kp + table[blk] * kb + off * kt;
+    if (p + cnt < n) prefetch_block(kp + table[blk + 1] * kb, bs * kt);  // DRAM latency hides behind this block
+    for (int64_t x = 0; x < kvh; ++x) {
+      for (int64_t t = 0; t < cnt; ++t) {
+        const T* kr = kbase + t * kt + x * kh;
+        __m512 kv[V];
+        for (int64_t c = 0; c < V; ++c) kv[c] = load16(kr + c * 16);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = qf + (x * g + j) * HD;
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+          for (int64_t c = 1; c < V; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), kv[c], acc);
+          sc[(x * g + j) * n + p + t] = _mm512_reduce_add_ps(acc);
+        }
       }
-    });
+    }
+    p += cnt;
   }
-  for (int64_t j = 0; j < g; ++j) {
-    float* sc = scores + j * n;
+  // Softmax statistics of the span, per head; the scores become e^(s - m).
+  for (int64_t h = 0; h < nh; ++h) {
+    float* s = sc + h * n;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < n; ++p) {
-      sc[p] = fast_exp(sc[p] - mx);
-      sum += sc[p];
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = fast_exp(s[i] - mx);
+      sum += s[i];
     }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t p = 0; p < n; ++p) sc[p] *= inv;
+    float* out = part + h * (HD + 2);
+    std::fill(out, out + HD, 0.f);
+    out[HD] = mx;
+    out[HD + 1] = sum;
   }
-  for (int64_t j0 = 0; j0 < g; j0 += 2) {  // two heads' accumulators at a time: 2 * V <= 32 registers
-    const int64_t gj = std::min<int64_t>(2, g - j0);
-    __m512 acc[2][V];
-    for (int64_t j = 0; j < 2; ++j)
-      for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_setzero_ps();
-    for_each_row(table, lo, n, bs, vb, vt, vp, [&](int64_t p, const T* vr) {
-      for (int64_t c = 0; c < V; ++c) {
-        const __m512 v = load16(vr + c * 16);
+  // Pass 2: weighted V rows, block by block; each block's accumulators live in registers.
+  p = 0;
+  for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
+    const int64_t cnt = std::min(bs - off, n - p);
+    const T* vbase = vp + table[blk] * vb + off * vt;
+    if (p + cnt < n) prefetch_block(vp + table[blk + 1] * vb, bs * vt);
+    for (int64_t x = 0; x < kvh; ++x) {
+      for (int64_t j0 = 0; j0 < g; j0 += JB) {
+        const int64_t gj = std::min<int64_t>(JB, g - j0);
+        __m512 acc[JB][V];
         for (int64_t j = 0; j < gj; ++j)
-          acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(j0 + j) * n + p]), v, acc[j][c]);
+          for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_loadu_ps(part + (x * g + j0 + j) * (HD + 2) + c * 16);
+        for (int64_t t = 0; t < cnt; ++t) {
+          const T* vr = vbase + t * vt + x * vh;
+          __m512 vv[V];
+          for (int64_t c = 0; c < V; ++c) vv[c] = load16(vr + c * 16);
+          for (int64_t j = 0; j < gj; ++j) {
+            const __m512 w = _mm512_set1_ps(sc[(x * g + j0 + j) * n + p + t]);
+            for (int64_t c = 0; c < V; ++c) acc[j][c] = _mm512_fmadd_ps(w, vv[c], acc[j][c]);
+          }
+        }
+        for (int64_t j = 0; j < gj; ++j)
+          for (int64_t c = 0; c < V; ++c) _mm512_storeu_ps(part + (x * g + j0 + j) * (HD + 2) + c * 16, acc[j][c]);
       }
-    });
-    for (int64_t j = 0; j < gj; ++j) {
-      alignas(64) float tmp[HD];
-      for (int64_t c = 0; c < V; ++c) _mm512_store_ps(tmp + c * 16, acc[j][c]);
-      for (int64_t i = 0; i < HD; ++i) store(out + (j0 + j) * oh + i, tmp[i]);
     }
+    p += cnt;
   }
 }
 #endif
@@ -315,6 +347,69 @@ void attend_item(const T* q, int64_t qh, const T* kp, const T* vp, const int64_t
     for (int64_t i = 0; i < d; ++i) store(out + j * oh + i, acc[j * d + i]);
 }
 
+#if defined(__AVX512F__)
+template <typename T>
+using SpanFn = void (*)(const T*, int64_t, int64_t, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*,
+                        std::vector<float>&);
+
+// Splits every sequence's context into spans of about the same length (long ones into several, so
+// that one long context spreads over the threads), attends the spans in parallel (dynamic schedule),
+// then merges each sequence's spans by their softmax statistics (flash-decoding's log-sum-exp merge).
+template <typename T>
+void split_attention(SpanFn<T> span_fn, T* op, const T* qp, int64_t qs, int64_t qh, int64_t nseq, int64_t nh,
+                     int64_t g, int64_t d, const T* kp, const T* vp, const int64_t* tab, int64_t tab_stride,
+                     const int64_t* lens, int64_t window, int64_t bs, int64_t kb, int64_t kt, int64_t kh, int64_t vb,
+                     int64_t vt, int64_t vh, float scale) {
+  struct Span { int64_t seq, lo, n; };
+  std::vector<int64_t> first(nseq + 1);
+  int64_t total = 0;
+  for (int64_t s = 0; s < nseq; ++s) total += lens[s] - (window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t span = std::max<int64_t>(2 * bs, (total + 4 * threads - 1) / (4 * threads));
+  span = (span + bs - 1) / bs * bs;
+  std::vector<Span> spans;
+  for (int64_t s = 0; s < nseq; ++s) {
+    first[s] = static_cast<int64_t>(spans.size());
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+    for (int64_t a = lo; a < lens[s]; a += span) spans.push_back({s, a, std::min(span, lens[s] - a)});
+  }
+  first[nseq] = static_cast<int64_t>(spans.size());
+  const int64_t stride = nh * (d + 2);
+  std::vector<float> parts(spans.size() * stride);
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_spans; ++i) {
+      const Span& sp = spans[i];
+      span_fn(qp + sp.seq * qs, qh, nh, g, kp, vp, tab + sp.seq * tab_stride, sp.lo, sp.n, bs, kb, kt, kh, vb, vt,
+              vh, scale, parts.data() + i * stride, buf);
+    }
+  }
+  at::parallel_for(0, nseq, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(d);
+    for (int64_t s = b; s < e; ++s) {
+      for (int64_t h = 0; h < nh; ++h) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first[s]; i < first[s + 1]; ++i) mx = std::max(mx, parts[i * stride + h * (d + 2) + d]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        for (int64_t i = first[s]; i < first[s + 1]; ++i) {
+          const float* pt = parts.data() + i * stride + h * (d + 2);
+          const float w = std::exp(pt[d] - mx);
+          sum += w * pt[d + 1];
+          for (int64_t c = 0; c < d; ++c) acc[c] += w * pt[c];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t c = 0; c < d; ++c) store(op + (s * nh + h) * d + c, acc[c] * inv);
+      }
+    }
+  });
+}
+#endif
+
 // Decode attention, one query token per sequence: sequence b attends over its own ctx_lens[b] positions
 // (the last `window` of them when window > 0) through block_tables[b]. Work is proportional to the sum of
 // the context lengths: one work item per (sequence, KV head), its G = H / KVH query heads together, so
@@ -348,35 +443,102 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
+#if defined(__AVX512F__)
+    if (d == 64 || d == 128) {
+      split_attention<scalar_t>(d == 64 ? &attend_span_avx512<scalar_t, 64> : &attend_span_avx512<scalar_t, 128>,
+                                op, qp, qs, qh, nseq, h, g, d, kp, vp, tab, tab_stride, lens, window, bs, kb, kt, kh,
+                                vb, vt, vh, static_cast<float>(scale));
+      return;
+    }
+#endif
     at::parallel_for(0, nseq * kvh, 1, [&](int64_t b, int64_t e) {
       std::vector<float> buf;
       for (int64_t item = b; item < e; ++item) {
         const int64_t seq = item / kvh, head = item % kvh;
         const int64_t len = lens[seq];
         const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const scalar_t* qi = qp + seq * qs + head * g * qh;
-        const scalar_t* ki = kp + head * kh;
-        const scalar_t* vi = vp + head * vh;
-        const int64_t* ti = tab + seq * tab_stride;
-        scalar_t* oi = op + (seq * h + head * g) * d;
-        const float sc = static_cast<float>(scale);
-#if defined(__AVX512F__)
-        if (d == 64) {
-          attend_item_avx512<scalar_t, 64>(qi, qh, ki, vi, ti, lo, len - lo, bs, kb, kt, vb, vt, g, sc, oi, d, buf);
-          continue;
-        }
-        if (d == 128) {
-          attend_item_avx512<scalar_t, 128>(qi, qh, ki, vi, ti, lo, len - lo, bs, kb, kt, vb, vt, g, sc, oi, d, buf);
-          continue;
-        }
-#endif
-        attend_item<scalar_t, 0>(qi, qh, ki, vi, ti, lo, len - lo, bs, kb, kt, vb, vt, g, d, sc, oi, d, buf);
+        attend_item<scalar_t, 0>(qp + seq * qs + head * g * qh, qh, kp + head * kh, vp + head * vh,
+                                 tab + seq * tab_stride, lo, len - lo, bs, kb, kt, vb, vt, g, d,
+                                 static_cast<float>(scale), op + (seq * h + head * g) * d, d, buf);
       }
     });
   });
 }
 
 }  // namespace
+
+
+// ---------------------------------------------------------------------------------------------------
+// The whole decoder stack of a decode-only step in one call: per layer add+norm, qkv, RoPE + cache
+// write, varlen attention, o, add+norm, gate_up, SiLU x up, down — the same ops the Python model calls,
+// in the same order, without a Python frame per op. Weights come per layer as 14 tensors: the two norm
+// weights, then (weight, bias, scales) for qkv, o, gate_up and down; `kind` says how the projections
+// multiply: 0 plain (at::linear), 1 oneDNN-packed bf16, 2 int8 weight-only.
+namespace {
+
+// An empty tensor stands for "no bias" in the weight list (a Tensor[] cannot hold None).
+inline bool present(const at::Tensor& b) { return b.defined() && b.numel() > 0; }
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(present(b) ? c10::IValue(b) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& b, const at::Tensor& s) {
+  if (kind == 1) return packed_linear(x, w, b);
+  if (kind == 2) {  // int8 weight-only: as engine/linear.py Int8Linear
+    at::Tensor out = x.size(0) <= 8 ? at::_weight_int8pack_mm(x, w, s) : at::linear(x, w.to(x.scalar_type())) * s;
+    return present(b) ? out + b : out;
+  }
+  return present(b) ? at::linear(x, w, b) : at::linear(x, w);
+}
+
+}  // namespace
+
+at::Tensor decode_layers(const at::Tensor& x0, at::TensorList weights, int64_t kind, const at::Tensor& positions,
+                         const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                         const at::Tensor& ctx_lens, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, double eps, double scale, int64_t window) {
+  const int64_t num_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * num_layers, "decode_layers: 14 weights per layer");
+  const int64_t t = x0.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor x = x0;
+  at::Tensor residual = x0.to(at::kFloat);
+  at::Tensor h = at::empty_like(x0);
+  rms_norm(h, x0, weights[0], eps);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = weights.data() + 14 * l;
+    if (l > 0) {
+      add_rms_norm(x, residual, w[0], eps);
+      h = x;
+    }
+    at::Tensor qkv = project(h, kind, w[2], w[3], w[4]);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
+    at::Tensor kc = k_caches[l], vc = v_caches[l];
+    rope_and_cache(q, k, v, cos, sin, positions, kc, vc, slot_blocks, slot_offsets);
+    at::Tensor attn = at::empty({t, num_heads, head_dim}, x0.options());
+    paged_decode_attention(attn, q, kc, vc, block_tables, ctx_lens, scale, window);
+    at::Tensor o = project(attn.view({t, q_size}), kind, w[5], w[6], w[7]);
+    add_rms_norm(o, residual, w[1], eps);
+    at::Tensor gu = project(o, kind, w[8], w[9], w[10]);
+    at::Tensor act = at::empty({t, gu.size(1) / 2}, x0.options());
+    silu_and_mul(act, gu);
+    x = project(act, kind, w[11], w[12], w[13]);
+  }
+  return (residual + x.to(at::kFloat)).to(x0.scalar_type());
+}
 
 TORCH_LIBRARY(baton, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
@@ -386,6 +548,10 @@ TORCH_LIBRARY(baton, m) {
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor ctx_lens, float scale, int window) -> ()");
+  m.def("decode_layers(Tensor x, Tensor[] weights, int kind, Tensor positions, Tensor slot_blocks, "
+        "Tensor slot_offsets, Tensor block_tables, Tensor ctx_lens, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
+        "int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
@@ -394,4 +560,8 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_and_cache", &rope_and_cache);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_layers", &decode_layers);
 }
+
+// oneDNN-packed weights are MkldnnCPU tensors: the weight list then dispatches there.
+TORCH_LIBRARY_IMPL(baton, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -101,3 +101,37 @@ def test_the_torch_fallback_serves_when_the_kernels_are_off(monkeypatch: pytest.
     monkeypatch.setattr(cpu_ops, "_loaded", False)
     assert not cpu_ops.use_kernels(x)
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), cpu_ops.rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_mistral"])
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")])
+def test_the_one_call_decode_stack_matches_the_python_layers(
+        family: str, dtype: str, quantization: str, request: pytest.FixtureRequest) -> None:
+    """`baton::decode_layers` (a decode-only step in one C++ call) against the per-layer Python forward,
+    on the same decode batch: 5 sequences, contexts 1 to 40 (Mistral's 24-token window included)."""
+    from engine.attention import AttentionMetadata
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    path = request.getfixturevalue(family)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, quantization=quantization, kv_cache_memory=8 << 20))
+    model, runner = engine.runner.model, engine.runner
+    assert model._decode_plan() is not None
+    g = torch.Generator().manual_seed(3)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=g).to(runner.kv_cache.dtype))
+    lens = [1, 7, 16, 25, 40]
+    bs = engine.kv.block_size
+    tables = [[10 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
+    width = max(len(t) for t in tables)
+    positions = torch.tensor([n - 1 for n in lens])
+    meta = AttentionMetadata(
+        positions=positions, slot_blocks=torch.tensor([t[(n - 1) // bs] for t, n in zip(tables, lens, strict=True)]),
+        slot_offsets=positions % bs, num_decode_tokens=len(lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_ctx_lens=torch.tensor(lens), prefills=[])
+    ids = torch.randint(3, model.config.vocab_size, (len(lens),), generator=g)
+    with torch.inference_mode():
+        fast = model(ids, meta, runner.kv_layers)
+        model._plan = None  # the Python layers from here on
+        slow = model(ids, meta, runner.kv_layers)
+    close(fast, slow, getattr(torch, dtype))
