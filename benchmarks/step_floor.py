@@ -42,7 +42,7 @@ class FloorResult:
     f_linear_ms: dict[str, float] = field(default_factory=dict)  # batch → F.linear, same weights and dtype
     short_ms: float | None = None  # 15 short requests decoding
     with_long_ms: float | None = None  # the same 15 and one request at 2048 tokens of context
-    rss_mib: float | None = None
+    rss_mib: float | None = None  # resident memory after loading, the KV cache's bytes not counted
     weight_mib: float | None = None
     kernels: bool = False
     error: str | None = None
@@ -130,7 +130,10 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
     llm = LLM(model=None, dtype=dtype_name, quantization=quantization, kv_cache_memory=512 << 20,
               max_num_seqs=64, num_threads=num_threads)
     engine, model = llm.engine, llm.engine.runner.model
-    r.dtype, r.kernels, r.rss_mib = str(engine.runner.dtype).removeprefix("torch."), cpu_ops.kernels_enabled(), _rss_mib()
+    kv_mib = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() / 2**20
+    rss = _rss_mib()
+    r.dtype, r.kernels = str(engine.runner.dtype).removeprefix("torch."), cpu_ops.kernels_enabled()
+    r.rss_mib = None if rss is None else rss - kv_mib
     r.weight_mib = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
     for b in BATCHES:
         r.step_ms[str(b)] = _decode_steps_ms(engine, [PROMPT_LEN] * b, num_steps, seed=b)
@@ -220,10 +223,12 @@ def render(results: dict[str, FloorResult], command: str) -> str:
         "modules (the kernels the engine calls) on random activations of the batch's rows, fastest of 5; "
         "*F.linear*: the same products with `F.linear` on plain weights of the same dtype; *floor*: the "
         "faster of the two, so that a slow GEMM path cannot make the ratio look good. *RSS / weights*: the "
-        "process's resident memory after loading (MiB) and the model's weight bytes.",
+        "process's resident memory after loading, less its KV cache (MiB), and the bytes of the model's weights "
+        "and buffers (bf16 keeps a plain embedding for the lookup beside the packed logits head; int8 keeps "
+        "its logits head and embedding in bf16).",
         "",
         table(["precision", "dtype", "batch", "step ms", "own GEMMs ms", "F.linear ms", "floor ms", "step ÷ floor",
-               "RSS / weights MiB", "C++ kernels"], rows, "llrrrrrrrl"),
+               "RSS less KV / weights MiB", "C++ kernels"], rows, "llrrrrrrrl"),
         "Goal step ÷ floor <= 1.3: " + "; ".join(goals) + ".",
         "",
         "15 short requests (128-token prompts) decoding, alone and with one request at "

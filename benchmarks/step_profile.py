@@ -31,12 +31,12 @@ def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int
 CAT_LINEAR = "linear layers (qkv, o, gate_up, down)"
 CAT_LM_HEAD = "lm_head (logits GEMM)"
 CAT_SDPA = "attention: SDPA"
-CAT_GATHER = "attention: paged KV gather + glue"
-CAT_KV_WRITE = "attention: KV write"
-CAT_ROPE = "RoPE"
+CAT_GATHER = "attention: paged decode + glue"
+CAT_ROPE = "RoPE + KV write"
 CAT_NORM = "RMSNorm"
 CAT_ACT = "MLP SiLU x up"
 CAT_LAYER = "layer glue (residual adds, qkv split, views)"
+CAT_STACK = "decoder layers in one C++ call (GEMMs, attention, norms, RoPE, SiLU)"
 CAT_EMBED = "embedding"
 CAT_PREP = "input prep (ids, positions, block tables, masks)"
 CAT_SAMPLER = "sampler"
@@ -45,7 +45,7 @@ CAT_POST = "postprocess (detokenize, outputs)"
 CAT_OTHER = "other Python (step / execute glue)"
 _MODULE_CATEGORIES = {
     "Linear": CAT_LINEAR, "RMSNorm": CAT_NORM, "RotaryEmbedding": CAT_ROPE, "MLP": CAT_ACT,
-    "Attention": CAT_LAYER, "DecoderLayer": CAT_LAYER, "LlamaForCausalLM": CAT_LAYER, "Embedding": CAT_EMBED,
+    "Attention": CAT_LAYER, "DecoderLayer": CAT_LAYER, "LlamaForCausalLM": CAT_STACK, "Embedding": CAT_EMBED,
 }
 
 
@@ -162,6 +162,7 @@ def _instrument(llm_engine: Any, timers: _ExclusiveTimers) -> list[Callable[[], 
     """Wraps the engine's components in timers; returns the undo functions. A component that is not
     there (the engine changed) is skipped and its time lands in its caller's category."""
     import engine.attention as attention_module
+    import engine.cpu_ops as ops_module
     import engine.model as model_module
 
     runner = getattr(llm_engine, "runner", None)
@@ -171,9 +172,9 @@ def _instrument(llm_engine: Any, timers: _ExclusiveTimers) -> list[Callable[[], 
         (llm_engine, "step", CAT_OTHER), (runner, "execute", CAT_OTHER),
         (scheduler, "schedule", CAT_SCHED), (scheduler, "update", CAT_SCHED),
         (llm_engine, "_postprocess", CAT_POST), (runner, "_prepare", CAT_PREP), (runner, "sampler", CAT_SAMPLER),
-        (model, "compute_logits", CAT_LM_HEAD), (model_module, "write_kv", CAT_KV_WRITE),
+        (model, "compute_logits", CAT_LM_HEAD), (ops_module, "rope_and_cache", CAT_ROPE),
         (model_module, "paged_attention", CAT_GATHER), (attention_module, "sdpa", CAT_SDPA),
-        (model_module, "apply_rope", CAT_ROPE),
+        (attention_module, "paged_decode_attention", CAT_GATHER), (ops_module, "silu_and_mul", CAT_ACT),
     ]
     if isinstance(model, torch.nn.Module):
         for module in model.modules():

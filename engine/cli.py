@@ -33,6 +33,66 @@ def add_generate_parser(sub: Any) -> None:
     p.set_defaults(func=run_generate)
 
 
+def add_evaluate_parser(sub: Any) -> None:
+    p = sub.add_parser("evaluate", help="compare a candidate precision of a model with the reference, offline")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the reference's dtype (default float32)")
+    p.add_argument("--candidate-dtype", choices=DTYPES, default="auto")
+    p.add_argument("--candidate-quantization", choices=QUANTIZATIONS, default="int8")
+    p.add_argument("--prompts", type=int, default=64, help="texts to compare over (default 64)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens sampled per text from the reference")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line instead of the built-in ones")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.set_defaults(func=run_evaluate)
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """Teacher-forced comparison (engine.quality) and decode speed of the two versions, side by side."""
+    import json
+    import time
+    from pathlib import Path
+
+    from core.sampling_params import SamplingParams
+    from engine.llm import LLM
+    from engine.quality import default_prompts, evaluate, sample_texts
+
+    common = {"kv_cache_memory": 256 << 20, "num_threads": args.threads}
+    reference = LLM(model=args.model, dtype=args.dtype, **common)
+    candidate = LLM(model=args.model, dtype=args.candidate_dtype, quantization=args.candidate_quantization, **common)
+    prompts = (Path(args.prompts_file).read_text().splitlines() if args.prompts_file else default_prompts(args.prompts))
+    prompts = [p for p in prompts if p.strip()][: args.prompts]
+    texts = sample_texts(reference, prompts, args.tokens)
+    a = evaluate(reference, candidate, texts, args.tokens)
+
+    def tok_s(llm: LLM) -> float:  # 16 greedy streams of 64 tokens, after a warm-up
+        batch = [t[:16] for t in (texts * 16)[:16]]
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        llm.generate(batch[:2], SamplingParams(max_tokens=4, temperature=0))
+        t0 = time.perf_counter()
+        llm.generate(batch, params)
+        return 16 * 64 / (time.perf_counter() - t0)
+
+    ref_tok_s, cand_tok_s = tok_s(reference), tok_s(candidate)
+    cand_dtype = str(candidate.engine.runner.dtype).removeprefix("torch.")
+    if args.json:
+        print(json.dumps({
+            "reference": {"version": reference.engine.model_version, "dtype": args.dtype, "quantization": "none",
+                          "tok_s_batch16": ref_tok_s},
+            "candidate": {"version": candidate.engine.model_version, "dtype": cand_dtype,
+                          "quantization": args.candidate_quantization, "tok_s_batch16": cand_tok_s},
+            "positions": a.num_positions, "argmax_agreement": a.argmax_agreement, "mean_kl": a.mean_kl,
+            "reference_nll": a.ref_nll, "candidate_nll": a.cand_nll,
+        }))
+        return 0
+    print(f"reference {reference.engine.model_version} ({args.dtype}) vs candidate {candidate.engine.model_version} "
+          f"({cand_dtype}, quantization {args.candidate_quantization}) over {a.num_positions} positions:")
+    print(f"  next-token argmax agreement {a.argmax_agreement:.2%}, mean KL {a.mean_kl:.4f} nats, "
+          f"NLL {a.ref_nll:.4f} -> {a.cand_nll:.4f} ({a.nll_ratio - 1:+.2%})")
+    print(f"  decode, 16 streams: {ref_tok_s:.0f} -> {cand_tok_s:.0f} tok/s")
+    return 0
+
+
 def add_prepare_model_parser(sub: Any) -> None:
     p = sub.add_parser("prepare-model", help="dequantize the embedded default model into the cache")
     p.set_defaults(func=run_prepare_model)

@@ -6,6 +6,7 @@ Single-threaded by design (a worker runs it on its own engine thread). ``step()`
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import random
@@ -89,6 +90,15 @@ class _OutputState:
     continues_elsewhere: bool = False  # a handoff prefill: reaching max_tokens is not the end of the text
 
 
+def _return_freed_memory() -> None:
+    """Hands memory freed while loading back to the OS (glibc keeps it otherwise): resident memory is
+    then what the engine holds, which is what a worker's memory request must cover."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 class LLMEngine:
     """Builds the model, tokenizer, KV cache, scheduler and runner from an `EngineConfig`."""
 
@@ -119,6 +129,7 @@ class LLMEngine:
         self.max_model_len = min(model_len, capacity)
         model = load_model(self.model_dir, self.model_config, dtype, device, self.max_model_len + 1,
                            config.quantization)
+        _return_freed_memory()  # the checkpoint's fp32 copies and the weights before packing or quantizing
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = StepScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk,

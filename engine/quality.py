@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,3 +75,34 @@ def compare(ref_logits: Sequence[torch.Tensor], cand_logits: Sequence[torch.Tens
     if count == 0:
         raise ValueError("no positions to compare")
     return Agreement(count, agree / count, kl / count, ref_nll / count, cand_nll / count)
+
+
+# Short openings for `sample_texts` when the user brings no prompts of their own.
+DEFAULT_OPENINGS = ("The history of", "A recipe for", "My favourite", "In the year", "The best way to",
+                    "Scientists say", "Once upon a time", "Dear diary,")
+DEFAULT_SUBJECTS = ("cats", "rain", "cities", "music", "trains", "tea", "stars", "maps")
+
+
+def default_prompts(count: int) -> list[str]:
+    """``count`` short prompts, every opening with every subject (64 distinct ones)."""
+    n_open, n_subj = len(DEFAULT_OPENINGS), len(DEFAULT_SUBJECTS)
+    return [f"{DEFAULT_OPENINGS[i % n_open]} {DEFAULT_SUBJECTS[(i // n_open + i) % n_subj]}" for i in range(count)]
+
+
+def sample_texts(llm: Any, prompts: Sequence[str], num_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Each prompt followed by ``num_tokens`` tokens sampled from ``llm`` (an `engine.LLM`, the reference)
+    at temperature 1, seeded per prompt: natural text that no version's own argmax chose."""
+    from core.sampling_params import SamplingParams
+
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    params = [SamplingParams(max_tokens=num_tokens, temperature=1.0, seed=seed + i, ignore_eos=True)
+              for i in range(len(ids))]
+    outs = llm.generate(ids, params)
+    return [p + o.token_ids for p, o in zip(ids, outs, strict=True)]
+
+
+def evaluate(reference: Any, candidate: Any, sequences: Sequence[Sequence[int]], num_last: int | None) -> Agreement:
+    """`compare` of two `engine.LLM`s' teacher-forced logits over ``sequences``."""
+    ref = [teacher_forced_logits(reference.engine.runner.model, s) for s in sequences]
+    cand = [teacher_forced_logits(candidate.engine.runner.model, s) for s in sequences]
+    return compare(ref, cand, sequences, num_last)

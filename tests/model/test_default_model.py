@@ -66,6 +66,19 @@ def test_cli_chat_answers_paris() -> None:
     assert "Paris" in res.stdout
 
 
+def test_cli_evaluate_compares_an_int8_twin_with_fp32() -> None:
+    import json
+
+    res = baton("evaluate", "--prompts", "4", "--tokens", "16", "--json", "--threads", "2")
+    assert res.returncode == 0, res.stderr
+    figures = json.loads(res.stdout)
+    assert figures["positions"] == 4 * 16
+    assert figures["reference"]["version"] != figures["candidate"]["version"]  # the twin is its own version
+    assert figures["candidate"]["quantization"] == "int8"
+    assert 0.8 <= figures["argmax_agreement"] <= 1.0 and 0 <= figures["mean_kl"] < 0.1
+    assert figures["reference"]["tok_s_batch16"] > 0 and figures["candidate"]["tok_s_batch16"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
