@@ -113,10 +113,15 @@ def default_gguf() -> Path | None:
 def systems(model_dir: str) -> list[System]:
     """Baton and the two peers, each on a free port, with both cores."""
     baton_port, tf_port, llama_port = _free_port(), _free_port(), _free_port()
+    colocated_port = _free_port()
     out = [System("Baton (baton up: P + D)",
                   [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(_free_port()),
                    "--http-port", str(baton_port)],
-                  baton_port, ["--ignore-eos"])]
+                  baton_port, ["--ignore-eos"]),
+           System("Baton (baton up --colocated: one worker, both cores)",
+                  [sys.executable, "-m", "services.cli", "up", "--colocated", "--threads", "2", "--grpc-port",
+                   str(_free_port()), "--http-port", str(colocated_port)],
+                  colocated_port, ["--ignore-eos"])]
     tf = System("transformers serve (continuous batching)",
                 [str(Path(sys.executable).parent / "transformers"), "serve", model_dir, "--continuous-batching",
                  "--port", str(tf_port), "--host", "127.0.0.1", "--device", "cpu"],
@@ -210,20 +215,25 @@ def mission_rate(points: Sequence[Point]) -> float:
 
 
 def _issue_goals(runs: list[tuple[System, list[Point]]]) -> str:
-    """Issue 14's served goals for Baton: single-stream TPOT (the lowest rate), both sustained rates."""
-    points = runs[0][1]
-    done = [p for p in points if p.result is not None]
-    if not done:
-        return "\nBaton did not run: issue 14's served goals are **not measured**.\n"
-    tpot = done[0].num("median_tpot_ms")
-
+    """Issue 14's served goals for each Baton configuration: single-stream TPOT (at the lowest rate), and
+    the sustained rate within each SLO."""
     def verdict(ok: bool) -> str:
         return "**met**" if ok else "**not met**"
 
-    return (f"\nIssue 14's served goals for Baton: TPOT p50 at {done[0].rate:g} req/s (close to a single stream) "
-            f"{tpot:.1f} ms, goal ≤ 10 ms: {verdict(tpot <= 10)}; mission SLO sustained "
-            f"{mission_rate(points):g} req/s, goal ≥ 6: {verdict(mission_rate(points) >= 6)}; loose SLO sustained "
-            f"{sustained_rate(points):g} req/s, goal ≥ 12: {verdict(sustained_rate(points) >= 12)}.\n")
+    lines = []
+    for system, points in runs:
+        if not system.name.startswith("Baton"):
+            continue
+        done = [p for p in points if p.result is not None]
+        if not done:
+            lines.append(f"- {system.name}: did not run, **not measured**.")
+            continue
+        tpot = done[0].num("median_tpot_ms")
+        lines.append(f"- {system.name}: TPOT p50 at {done[0].rate:g} req/s (nearly one stream at a time) {tpot:.1f} ms, "
+                     f"goal ≤ 10 ms: {verdict(tpot <= 10)}; mission SLO sustained {mission_rate(points):g} req/s, "
+                     f"goal ≥ 6: {verdict(mission_rate(points) >= 6)}; loose SLO sustained "
+                     f"{sustained_rate(points):g} req/s, goal ≥ 12: {verdict(sustained_rate(points) >= 12)}.")
+    return "\nIssue 14's served goals:\n\n" + "\n".join(lines) + "\n"
 
 
 def first_failed_rate(points: Sequence[Point]) -> float | None:
@@ -281,8 +291,10 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
                          "yes" if p.sustained else "no", "yes" if p.mission_sustained else "no"])
     summary = [[s.name, "not run: " + s.missing, ""] if s.missing else
                [s.name, f"{sustained_rate(points):g} req/s", f"{mission_rate(points):g} req/s"] for s, points in runs]
-    baton = sustained_rate(runs[0][1])
-    peers = [sustained_rate(points) for s, points in runs[1:] if not s.missing]
+    ours = [points for s, points in runs if s.name.startswith("Baton")]
+    others = [(s, points) for s, points in runs if not s.name.startswith("Baton")]
+    baton = max((sustained_rate(points) for points in ours), default=0.0)
+    peers = [sustained_rate(points) for s, points in others if not s.missing]
     best = max(peers, default=0.0)
     if not peers:
         verdict = "no peer ran, so no ratio"
@@ -292,10 +304,11 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
                    "ratio unbounded)")
     else:
         ratio = baton / best
-        verdict = (f"Baton ÷ best peer: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:g}×: "
+        verdict = (f"Baton's best ÷ best peer, loose SLO: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:g}×: "
                    f"**{'met' if ratio >= GOAL_RATIO else 'not met'}** on this grid of rates)")
-        best_peer = max((points for s, points in runs[1:] if not s.missing), key=sustained_rate)
-        baton_next, peer_next = first_failed_rate(runs[0][1]), first_failed_rate(best_peer)
+        best_peer = max((points for s, points in others if not s.missing), key=sustained_rate)
+        best_ours = max(ours, key=sustained_rate)
+        baton_next, peer_next = first_failed_rate(best_ours), first_failed_rate(best_peer)
         if baton_next is not None and peer_next is not None:
             verdict += (f". Each limit lies between its last sustained rate and the next rate tried, so the "
                         f"ratio lies between {baton / peer_next:.2f}× and {baton_next / best:.2f}×")

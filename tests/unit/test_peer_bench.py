@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.peer_bench import Point, System, render, sustained_rate
+from benchmarks.peer_bench import Point, System, mission_rate, render, sustained_rate
 from benchmarks.report import MachineInfo
 
 pytestmark = pytest.mark.unit
@@ -30,11 +30,27 @@ def test_the_verdict_is_baton_over_the_best_peer_and_names_missing_peers() -> No
     baton, tf, llama = (System(name, [], 0, []) for name in ("Baton", "transformers", "llama.cpp"))
     text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95)]),
                                    (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
-    assert "Baton ÷ best peer: **6.00×** (goal ≥ 2×: **met** on this grid of rates)" in text
+    assert "Baton's best ÷ best peer, loose SLO: **6.00×** (goal ≥ 2×: **met** on this grid of rates)" in text
     assert "ratio lies between" not in text  # Baton's sweep never failed: no upper bound to state
     text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95), point(2.0, 0.3)]),
                                    (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
     assert "**6.00×**" in text and "the ratio lies between 3.00× and 8.00×" in text
     llama.missing = "not installed (`make peers`)"
     text = render(machine, "cmd", [(baton, [point(0.5, 1.0)]), (tf, [point(0.25, 1.0)]), (llama, [])])
-    assert "Baton ÷ best peer: **2.00×**" in text and "not run: not installed" in text
+    assert "Baton's best ÷ best peer, loose SLO: **2.00×**" in text and "not run: not installed" in text
+
+
+def test_the_mission_slo_asks_for_p95_ttft_under_250_ms_and_p95_itl_under_30_ms() -> None:
+    def timed(rate: float, ttft: float, itl: float, failed: int = 0) -> Point:
+        p = point(rate, 1.0, failed)
+        assert p.result is not None
+        p.result.update({"p95_ttft_ms": ttft, "p95_itl_ms": itl})
+        return p
+
+    assert timed(1.0, 200, 25).mission_sustained
+    assert not timed(1.0, 260, 25).mission_sustained and not timed(1.0, 200, 31).mission_sustained
+    assert not timed(1.0, 200, 25, failed=1).mission_sustained
+    assert mission_rate([timed(1, 100, 10), timed(2, 240, 29), timed(4, 400, 35)]) == 2
+    machine = MachineInfo.probe(num_threads=2)
+    text = render(machine, "cmd", [(System("Baton (up)", [], 0, []), [timed(1, 100, 10), timed(2, 300, 20)])])
+    assert "mission SLO sustained 1 req/s, goal ≥ 6: **not met**" in text
