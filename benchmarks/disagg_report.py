@@ -154,10 +154,10 @@ def _table_notes(results: Sequence[SetupResult]) -> str:
     steps = ", ".join(f"{key} {_ms(s.itl_long_decoding_ms)} vs {_ms(s.itl_otherwise_ms)} ms" for key, s in done)
     slowed = any(s.itl_long_decoding_ms and s.itl_otherwise_ms and s.itl_long_decoding_ms >= 1.5 * s.itl_otherwise_ms
                  for _, s in done)
-    why = (" One long context in the batch slows every short request's decode step, wherever it was "
-           "prefilled: the CPU decode attention pads each sequence of the batch to the longest context "
-           "(`AttentionMetadata.decode_block_tables`), so all of them gather and attend over ~2k positions."
-           if slowed else "")
+    why = (" One long context in the batch still slows every short request's decode step by 1.5x or more, "
+           "wherever it was prefilled, although the decode attention reads each sequence's own context only "
+           "(`baton::paged_decode_attention`): the long one's ~2k positions are read once per step, by all "
+           "the step's threads, before any sequence's next token." if slowed else "")
     return (f"Short-request deltas that carried more than one token (of all ITL samples): {merged}.\n\n"
             "Short ITL p50 while a long request was decoding in the same batch (from its first token to its "
             f"completion) vs at all other times: {steps}.{why}")

@@ -282,7 +282,8 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
             continue
         for p in points:
             if p.result is None:
-                rows.append([system.name, f"{p.rate:g}", p.error or "failed", "", "", "", "", "", "", ""])
+                error = " ".join((p.error or "failed").split())[:240].replace("|", "\\|")  # one table cell
+                rows.append([system.name, f"{p.rate:g}", error, "", "", "", "", "", "", ""])
                 continue
             rows.append([system.name, f"{p.rate:g}", f"{p.slo_share:.0%}", f"{p.num('output_throughput'):.1f}",
                          f"{p.num('median_ttft_ms'):.0f} / {p.num('p95_ttft_ms'):.0f}",
@@ -320,7 +321,7 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
         f"Each system alone on the machine (both cores), started as its users start it, then `loadgen run` "
         f"over OpenAI-compatible HTTP (`/v1/completions`, streamed): {INPUT_LEN}-token prompts (random "
         f"words fitted to the length with the model's tokenizer), {OUTPUT_LEN} output tokens forced on every "
-        "system (Baton `ignore_eos`, llama.cpp `min_tokens`, transformers `min_new_tokens`), Poisson "
+        "system (Baton and llama.cpp `ignore_eos`, transformers `min_new_tokens`), Poisson "
         f"arrivals at each rate for about {DURATION_S:g} s (at least {MIN_REQUESTS} requests, 2 warm-up "
         f"requests excluded). SLO per request: TTFT ≤ {SLO_TTFT_MS:g} ms and TPOT ≤ {SLO_TPOT_MS:g} ms (vLLM's "
         f"definitions, docs/LOADGEN.md). A rate is *sustained* when ≥ {SLO_SHARE:.0%} of the offered "

@@ -75,7 +75,6 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin().float().to(device)
 
 
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

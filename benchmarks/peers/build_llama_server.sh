@@ -18,7 +18,10 @@ if [ ! -x "$bin/llama-server" ] || [ ! -x "$bin/llama-quantize" ]; then
     mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$dest/llama.cpp"
     rm -rf "$tmp"
   fi
+  # -march=native, but no AMX: ggml's AMX path crashed at the server's first graph on our KVM hosts
+  # (segfault in warm-up, 2026-12-01); AVX-512/VNNI/BF16 stay on where the CPU has them.
   cmake -S "$dest/llama.cpp" -B "$dest/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   cmake --build "$dest/llama.cpp/build" -j "$(nproc)" --target llama-server llama-quantize
 fi
