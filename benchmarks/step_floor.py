@@ -80,10 +80,12 @@ def gemm_floor(model: Any, dtype: torch.dtype, batch: int, int8: bool) -> tuple[
     """(own modules ms, F.linear ms or None for int8) for one step's products at ``batch`` rows."""
     proj = _projections(model)
     xs = {k: torch.randn(batch, k, dtype=dtype) for k in {m_w[1].shape[1] for m_w in proj}}
-    own = _best(lambda: [m(xs[w.shape[1]]) for m, w in proj], reps=5)
+    # The fastest of 15 rounds: a floor is what the machine can do, and one round in several runs the same
+    # products up to 1.5x slower here (measured: 16.2-23.8 ms for bf16 at 16 rows across runs of 5 rounds).
+    own = _best(lambda: [m(xs[w.shape[1]]) for m, w in proj], reps=5, rounds=15)
     if int8:  # the same dtype is int8: F.linear has no int8 weights to multiply by
         return own, None
-    plain = _best(lambda: [F.linear(xs[w.shape[1]], w) for _, w in proj], reps=5)
+    plain = _best(lambda: [F.linear(xs[w.shape[1]], w) for _, w in proj], reps=5, rounds=15)
     return own, plain
 
 
@@ -216,7 +218,7 @@ def render(results: dict[str, FloorResult], command: str) -> str:
         f"Command: `{command}` (P = " + ", ".join(PRECISIONS) + f"). Each precision in its own process: {PROMPT_LEN}-token "
         "prompts decoding; *step*: the faster half of 24 engine steps (scheduling, sampling and "
         "detokenizing included); *own GEMMs*: one step's products through the model's own projection "
-        "modules (the kernels the engine calls) on random activations of the batch's rows, fastest of 5; "
+        "modules (the kernels the engine calls) on random activations of the batch's rows, fastest of 15 rounds; "
         "*F.linear*: the same products with `F.linear` on plain weights of the same dtype; *floor*: the "
         "faster of the two, so that a slow GEMM path cannot make the ratio look good. *RSS / weights*: the "
         "process's resident memory after loading, less its KV cache (MiB), and the bytes of the model's weights "
