@@ -14,6 +14,7 @@ through its block table (work ∝ the sum of the context lengths, no padding to 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -53,10 +54,8 @@ def _build_dir() -> Path:
 
     # The library is specific to this source, this torch and this CPU's instruction set.
     flags = ""
-    try:
+    with contextlib.suppress(OSError):  # no /proc (not Linux): the source and torch still key it
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
     stamp = _SOURCE.read_bytes() + " ".join([torch.__version__, *_CFLAGS, flags]).encode()
     key = hashlib.sha256(stamp).hexdigest()[:12]
     return cache_root() / "kernels" / f"cpu_ops-{key}"

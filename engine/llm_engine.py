@@ -6,6 +6,7 @@ Single-threaded by design (a worker runs it on its own engine thread). ``step()`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -93,10 +94,8 @@ class _OutputState:
 def _return_freed_memory() -> None:
     """Hands memory freed while loading back to the OS (glibc keeps it otherwise): resident memory is
     then what the engine holds, which is what a worker's memory request must cover."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 class LLMEngine:

@@ -251,12 +251,10 @@ def wait_serving(http: str, deadline: float, stop: Callable[[], bool]) -> bool:
     import urllib.request
 
     while not stop() and time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(urllib.error.URLError, OSError):  # 503 or not listening yet: ask again
             with urllib.request.urlopen(f"{http}/health", timeout=2) as resp:
                 if resp.status == 200:
                     return True
-        except (urllib.error.URLError, OSError):
-            pass
         time.sleep(0.1)
     return False
 
