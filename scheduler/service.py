@@ -582,7 +582,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             shadow, share = await self.catalog.shadow(model)
             if shadow:
                 resp.shadow[model], resp.shadow_share[model] = shadow, share
+            for stats in await self.catalog.comparisons(model):
+                p_ttft, s_ttft, p_itl, s_itl = stats.latency_ms()
+                resp.comparisons.append(pb.ShadowComparison(
+                    model=model, primary_version=stats.primary_version, shadow_version=stats.shadow_version,
+                    requests=stats.requests, identical=stats.identical, greedy_agreement=stats.greedy_agreement,
+                    positions=stats.positions, top1_agreement=stats.top1_agreement, mean_kl=stats.mean_kl,
+                    primary_ttft_ms=p_ttft, shadow_ttft_ms=s_ttft, primary_itl_ms=p_itl, shadow_itl_ms=s_itl))
         return resp
+
+    @_redis_errors_unavailable
+    async def ReportShadow(self, request: pb.ReportShadowRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ReportShadowResponse:
+        if request.positions < request.top1_agreed or not 0.0 <= request.greedy_agreement <= 1.0 \
+                or not request.kl_sum >= 0.0:  # the last also refuses NaN
+            raise InvalidRequest("a shadow report's figures are out of range")
+        if request.model not in await self.catalog.models():
+            raise ModelNotFound(f"model {request.model!r} is not known")
+        has_itl = request.primary_itl_ms > 0 and request.shadow_itl_ms > 0
+        try:
+            await self.catalog.record_shadow(request.model, request.primary_version, request.shadow_version, {
+                "requests": 1, "identical": float(request.identical), "greedy_agreement": request.greedy_agreement,
+                "positions": request.positions, "top1_agreed": request.top1_agreed, "kl_sum": request.kl_sum,
+                "primary_ttft_ms": request.primary_ttft_ms, "shadow_ttft_ms": request.shadow_ttft_ms,
+                "itl_requests": float(has_itl), "primary_itl_ms": request.primary_itl_ms if has_itl else 0.0,
+                "shadow_itl_ms": request.shadow_itl_ms if has_itl else 0.0,
+            })
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        return pb.ReportShadowResponse()
 
     @_redis_errors_unavailable
     async def SetRollout(self, request: pb.SetRolloutRequest, context: grpc.aio.ServicerContext

@@ -5,13 +5,16 @@ version of a model gets weight 1; later ones arrive at weight 0, so a new build 
 an operator gives it some (a canary). Rollback is a weight change: it applies to the next request.
 The choice is sticky per request id (a hash, not a random draw), so a retried or migrated request
 lands on the same version. Shadow traffic mirrors a share of requests to a candidate version; the
-gateway records its latency and token agreement and never answers the client from it.
+gateway records its latency and token agreement and never answers the client from it, and reports
+each comparison here (`record_shadow`): sums per (primary, shadow) version pair, read back as means by
+`comparisons` for `baton models list`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -47,6 +50,53 @@ def in_shadow(request_id: str, share: float) -> bool:
     return share > 0 and _unit(request_id, "shadow") < share
 
 
+# The sums kept per version pair (a Redis hash's fields); `ShadowStats` turns them into means.
+SHADOW_SUMS = ("requests", "identical", "greedy_agreement", "positions", "top1_agreed", "kl_sum",
+               "primary_ttft_ms", "shadow_ttft_ms", "itl_requests", "primary_itl_ms", "shadow_itl_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowStats:
+    """What the shadowed requests of one version pair showed (means of the recorded sums)."""
+
+    primary_version: str
+    shadow_version: str
+    sums: Mapping[str, float]
+
+    def _mean(self, key: str, over: str) -> float:
+        n = self.sums.get(over, 0.0)
+        return self.sums.get(key, 0.0) / n if n else 0.0
+
+    @property
+    def requests(self) -> int:
+        return int(self.sums.get("requests", 0))
+
+    @property
+    def identical(self) -> int:
+        return int(self.sums.get("identical", 0))
+
+    @property
+    def positions(self) -> int:
+        return int(self.sums.get("positions", 0))
+
+    @property
+    def greedy_agreement(self) -> float:
+        return self._mean("greedy_agreement", "requests")
+
+    @property
+    def top1_agreement(self) -> float:
+        return self._mean("top1_agreed", "positions")
+
+    @property
+    def mean_kl(self) -> float:
+        return self._mean("kl_sum", "positions")
+
+    def latency_ms(self) -> tuple[float, float, float, float]:
+        """Mean TTFT of primary and shadow, then mean ITL of each (over requests with 2+ tokens)."""
+        return (self._mean("primary_ttft_ms", "requests"), self._mean("shadow_ttft_ms", "requests"),
+                self._mean("primary_itl_ms", "itl_requests"), self._mean("shadow_itl_ms", "itl_requests"))
+
+
 class ModelCatalog:
     """Rollout weights and shadow settings per model, in Redis (shared by every scheduler replica).
     The client must use ``decode_responses=True``."""
@@ -60,6 +110,12 @@ class ModelCatalog:
 
     def _shadow_key(self, model: str) -> str:
         return f"{self._p}model:{model}:shadow"
+
+    def _pairs_key(self, model: str) -> str:
+        return f"{self._p}model:{model}:shadow-pairs"
+
+    def _stats_key(self, model: str, primary: str, shadow: str) -> str:
+        return f"{self._p}model:{model}:shadow-stats:{primary}:{shadow}"
 
     async def announce(self, model: str, version: str) -> None:
         """A worker serves ``version``: the model's first version gets weight 1, later ones 0."""
@@ -107,3 +163,30 @@ class ModelCatalog:
             await self._r.delete(self._shadow_key(model))
         else:
             await self._r.hset(self._shadow_key(model), mapping={"version": version, "share": repr(share)})
+
+    async def record_shadow(self, model: str, primary: str, shadow: str, values: Mapping[str, float]) -> None:
+        """Adds one shadowed request's figures (keys of `SHADOW_SUMS`) to its version pair's sums."""
+        unknown = set(values) - set(SHADOW_SUMS)
+        if unknown:
+            raise ValueError(f"unknown shadow figures: {', '.join(sorted(unknown))}")
+        if not primary or not shadow:
+            raise ValueError("a shadow report names both versions")
+        pipe = self._r.pipeline(transaction=True)
+        pipe.sadd(self._pairs_key(model), f"{primary}\t{shadow}")
+        key = self._stats_key(model, primary, shadow)
+        for field_name, value in values.items():
+            if value:
+                pipe.hincrbyfloat(key, field_name, float(value))
+        await pipe.execute()
+
+    async def comparisons(self, model: str) -> list[ShadowStats]:
+        """Every version pair of ``model`` shadowed so far, with its sums."""
+        pairs = sorted(str(p).split("\t", 1) for p in await self._r.smembers(self._pairs_key(model)))
+        if not pairs:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for primary, shadow in pairs:
+            pipe.hgetall(self._stats_key(model, primary, shadow))
+        raw = await pipe.execute()
+        return [ShadowStats(primary, shadow, {str(k): float(v) for k, v in sums.items()})
+                for (primary, shadow), sums in zip(pairs, raw, strict=True)]

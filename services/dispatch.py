@@ -3,7 +3,8 @@
 accept (request id) → validate and tokenize (`services.admission`, off the event loop) → route (the
 scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode on D,
 streaming; or Decode on D alone. A route that names a shadow worker mirrors the request there in the
-background (`services.shadow`). A worker that fails is left behind and the request routed again
+background (`services.shadow`); the primary then asks its workers for the top logprobs the comparison
+needs, and hands its client only those the client asked for. A worker that fails is left behind and the request routed again
 without it, going on from the tokens the client already has: a prefill is retried elsewhere, a failed
 KV transfer gets one fresh prefill, a decode that dies mid-stream migrates (the new worker recomputes
 the tokens already sent and streams the next ones) — each a bounded number of times. Each request runs
@@ -38,7 +39,14 @@ from services.admission import GenerationRequest, Limits, ModelInfo, RequestVali
 from services.convert import FINISH_FROM_PB, sampling_to_pb
 from services.placement import LeaseEvent, LeaseReport, Route, RouteQuery, Router
 from services.request_stream import Delta, Finished, RequestStream, Timings, TokenLogprob, Usage
-from services.shadow import PrimaryResult, ShadowRequest, ShadowRun, ShadowTraffic
+from services.shadow import (
+    PrimaryResult,
+    ShadowRequest,
+    ShadowRun,
+    ShadowTraffic,
+    TopLogprobs,
+    with_top_logprobs,
+)
 from services.status import as_serving_error
 from services.worker_clients import WorkerClients, WorkerLost, worker_error
 
@@ -73,6 +81,8 @@ class _Job:
     kv_retries: int = 0
     migrations: int = 0
     shadow: ShadowRun | None = None  # the request mirrored to a shadow version, if the route named one
+    client_logprobs: int | None = None  # what the client asked for (params ask for more while shadowed)
+    shadow_top: list[TopLogprobs] = field(default_factory=list)  # the primary's top logprobs per token
     labels: tuple[str, str, str] = ("", NONE, NONE)  # metrics: model, version, tenant (set once placed)
     itl: Histogram | None = None  # metrics.ITL of this request's labels
     last_token_at: float = 0.0  # when the last token was handed to the client's stream
@@ -90,6 +100,15 @@ class _Job:
 def delta_from_pb(msg: common_pb2.TokenDelta) -> Delta:
     logprobs = [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs]
     return Delta(list(msg.token_ids), msg.text, logprobs)
+
+
+def _as_asked(delta: Delta, num_logprobs: int | None) -> Delta:
+    """``delta`` with the logprobs its client asked for: none, or each token's ``num_logprobs`` best."""
+    if num_logprobs is None:
+        return Delta(delta.token_ids, delta.text)
+    trimmed = [TokenLogprob(lp.token_id, lp.logprob, dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_logprobs]))
+               for lp in delta.logprobs]
+    return Delta(delta.token_ids, delta.text, trimmed)
 
 
 class Dispatcher:
@@ -160,6 +179,7 @@ class Dispatcher:
             async with asyncio.timeout(request.timeout_s):
                 prompt_ids, params = await self.validator.prepare(request)
                 job = _Job(stream.request_id, prompt_ids, params, deadline, request.api_key)
+                job.client_logprobs = params.logprobs
                 self._jobs[job.request_id] = job
                 await self._execute(stream, job)
         except (asyncio.CancelledError, TimeoutError) as e:
@@ -174,7 +194,7 @@ class Dispatcher:
             if job is not None and job.route is not None:  # the scheduler charged its quotas
                 self.router.finish(job.request_id, job.route, len(job.prompt_ids), len(job.sent_ids))
             if job is not None and job.shadow is not None:
-                self._end_shadow(stream, job.shadow, job.sent_ids, outcome)
+                self._end_shadow(stream, job, job.shadow, outcome)
             self._jobs.pop(stream.request_id, None)
             if job is not None and job.aborts:
                 try:
@@ -224,11 +244,12 @@ class Dispatcher:
         return "cancelled"
 
     @staticmethod
-    def _end_shadow(stream: RequestStream, shadow: ShadowRun, sent_ids: list[int], outcome: str) -> None:
+    def _end_shadow(stream: RequestStream, job: _Job, shadow: ShadowRun, outcome: str) -> None:
         """Tells the request's shadow how the primary ended: compare with what the client got, or stop."""
         if outcome == "ok":
             ttft_s = (stream.first_token_at or stream.accepted_at) - stream.accepted_at
-            shadow.primary_finished(PrimaryResult(sent_ids, ttft_s, time.perf_counter() - stream.accepted_at))
+            shadow.primary_finished(PrimaryResult(job.sent_ids, ttft_s, time.perf_counter() - stream.accepted_at,
+                                                  job.shadow_top))
         else:
             shadow.cancel("cancelled" if outcome == "cancelled" else "primary_failed")
 
@@ -238,9 +259,12 @@ class Dispatcher:
         route = await self._route(job)
         job.dispatched_at = time.perf_counter()
         if route.shadow_worker:
+            compared = with_top_logprobs(job.params)
             job.shadow = self.shadows.start(ShadowRequest(
-                job.request_id, job.prompt_ids, job.params, route.cache_salt, route.shadow_worker,
-                route.shadow_version, route.version))
+                job.request_id, job.prompt_ids, compared, route.cache_salt, route.shadow_worker,
+                route.shadow_version, route.version, self.model.name))
+            if job.shadow is not None:
+                job.params = compared  # the primary returns the same top logprobs as its shadow
         while True:
             try:
                 await self._attempt(stream, job, route)
@@ -418,7 +442,11 @@ class Dispatcher:
 
     def _push(self, stream: RequestStream, job: _Job, msg: common_pb2.TokenDelta) -> None:
         job.sent_ids.extend(msg.token_ids)
-        stream.push(delta_from_pb(msg))
+        delta = delta_from_pb(msg)
+        if job.shadow is not None:  # the comparison's logprobs: kept here, trimmed for the client
+            job.shadow_top.extend(lp.top for lp in delta.logprobs)
+            delta = _as_asked(delta, job.client_logprobs)
+        stream.push(delta)
         if msg.token_ids:
             now = time.perf_counter()
             if job.last_token_at and job.itl is not None:

@@ -339,7 +339,7 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
         tokenizer, model, router, check = await _routing(config, workers, executor)
         limits = Limits(config.max_prompt_tokens, config.max_output_tokens, config.max_buffered_tokens,
                         config.max_migrations)
-        shadows = ShadowTraffic(workers, config.max_shadow_requests, config.shadow_timeout)
+        shadows = ShadowTraffic(workers, config.max_shadow_requests, config.shadow_timeout, router.report_shadow)
         dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor, shadows,
                                 BoundedLabel(config.metrics_max_tenants))
         server, health_servicer, grpc_port = _grpc_server(config, dispatcher)

@@ -133,20 +133,46 @@ SHADOW_REQUESTS = Counter(
     registry=REGISTRY,
 )
 SHADOW_IN_FLIGHT = Gauge("baton_gateway_shadow_in_flight", "Shadow requests running now.", registry=REGISTRY)
+# Per version pair: "version" is the primary's (what clients got), "shadow_version" the candidate's.
+SHADOW_PAIR = ["version", "shadow_version"]
 SHADOW_AGREEMENT = Histogram(
     "baton_gateway_shadow_agreement",
     "Per shadowed request: the share of token positions where the shadow's output equals the client's "
     "(a position only one reached counts as a disagreement).",
+    SHADOW_PAIR,
     buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0),
+    registry=REGISTRY,
+)
+SHADOW_POSITIONS = Counter(
+    "baton_gateway_shadow_positions",
+    "Next-token distributions compared on the shared prefix of primary and shadow outputs.",
+    SHADOW_PAIR, registry=REGISTRY,
+)
+SHADOW_TOP1_AGREED = Counter(
+    "baton_gateway_shadow_top1_agreed",
+    "Of the compared positions, those where primary and shadow put the same token first "
+    "(top-1 agreement = this / baton_gateway_shadow_positions_total).",
+    SHADOW_PAIR, registry=REGISTRY,
+)
+SHADOW_KL = Histogram(
+    "baton_gateway_shadow_kl_nats",
+    "Per shadowed request: mean KL(primary || shadow) of the next-token distributions over the shared "
+    "prefix, in nats (estimated from both sides' top-20 logprobs).",
+    SHADOW_PAIR,
+    buckets=(0.0001, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
     registry=REGISTRY,
 )
 SHADOW_TTFT = Histogram(
     "baton_gateway_shadow_ttft_seconds", "Shadow request started -> its first token (local prefill included).",
-    buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    SHADOW_PAIR, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+)
+SHADOW_ITL = Histogram(
+    "baton_gateway_shadow_itl_seconds", "A shadow request's mean gap between tokens (first to last).",
+    SHADOW_PAIR, buckets=LATENCY_BUCKETS, registry=REGISTRY,
 )
 SHADOW_E2E = Histogram(
     "baton_gateway_shadow_e2e_seconds", "Shadow request started -> its last token.",
-    buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    SHADOW_PAIR, buckets=LATENCY_BUCKETS, registry=REGISTRY,
 )
 
 

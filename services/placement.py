@@ -2,8 +2,8 @@
 
 `SchedulerRouter` asks the cluster scheduler (`baton.v1.Scheduler`) once per request (`Place`: tenant,
 quotas, version, cache salt, workers) and reports back what the scheduler's ledgers need: the end of
-the request (`Finish`), each KV lease handed from a prefill to a decode worker (`ReportLease`) and
-cancels (`Cancel`, the cancellation bus). Those reports are fire-and-forget: a slow or absent
+the request (`Finish`), each KV lease handed from a prefill to a decode worker (`ReportLease`),
+cancels (`Cancel`, the cancellation bus) and each shadowed request's comparison (`ReportShadow`). Those reports are fire-and-forget: a slow or absent
 scheduler never holds up a client's stream. `StaticRouter` round-robins over configured workers, for a
 setup without a scheduler. (The scheduler's own `Placer` picks workers by load and KV overlap; a
 `Router` is the gateway's view of that decision.)
@@ -94,6 +94,25 @@ class LeaseReport:
     ttl_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class ShadowReport:
+    """One shadowed request compared with what its client got (services.shadow), for the version
+    pair's sums in the scheduler (`baton models list`)."""
+
+    model: str
+    primary_version: str
+    shadow_version: str
+    identical: bool
+    greedy_agreement: float  # share of output positions holding the same token
+    positions: int  # next-token distributions compared, on the shared prefix
+    top1_agreed: int  # of them, where both put the same token first
+    kl_sum: float  # KL(primary || shadow) summed over those positions
+    primary_ttft_ms: float
+    shadow_ttft_ms: float
+    primary_itl_ms: float  # 0 with fewer than 2 tokens
+    shadow_itl_ms: float
+
+
 class Router(Protocol):
     """Places requests and hears how they end. The reports return at once; they may fail silently."""
 
@@ -102,6 +121,8 @@ class Router(Protocol):
     def finish(self, request_id: str, route: Route, prompt_tokens: int, completion_tokens: int) -> None: ...
 
     def report_lease(self, event: LeaseEvent, lease: LeaseReport) -> None: ...
+
+    def report_shadow(self, report: ShadowReport) -> None: ...
 
     def cancel(self, request_id: str, reason: str) -> asyncio.Task[bool] | None: ...
 
@@ -142,6 +163,9 @@ class StaticRouter:
 
     def report_lease(self, event: LeaseEvent, lease: LeaseReport) -> None:
         pass  # the prefill worker's own lease timer is the only ledger
+
+    def report_shadow(self, report: ShadowReport) -> None:
+        pass  # a static router names no shadow workers: nothing is ever compared
 
     def cancel(self, request_id: str, reason: str) -> asyncio.Task[bool] | None:
         return None  # the gateway's own call cancellation is the only path
@@ -344,6 +368,24 @@ class SchedulerRouter:
         # The scheduler runs a stream's calls as concurrent tasks, so this lease's end may reach Redis
         # before its pin; the ledger records such a lease as ended when the pin lands (scheduler.leases).
         self._report(self._call(f"ReportLease({event})", lease.request_id, report_lease=request))
+
+    def report_shadow(self, report: ShadowReport) -> None:
+        self._report(self._report_shadow(report))
+
+    async def _report_shadow(self, r: ShadowReport) -> bool:
+        request = scheduler_pb2.ReportShadowRequest(
+            model=r.model, primary_version=r.primary_version, shadow_version=r.shadow_version,
+            identical=r.identical, greedy_agreement=r.greedy_agreement, positions=r.positions,
+            top1_agreed=r.top1_agreed, kl_sum=r.kl_sum, primary_ttft_ms=r.primary_ttft_ms,
+            shadow_ttft_ms=r.shadow_ttft_ms, primary_itl_ms=r.primary_itl_ms, shadow_itl_ms=r.shadow_itl_ms,
+        )
+        try:  # a unary call: a share of requests, once each, after both outputs ended
+            await self._stub.ReportShadow(request, timeout=REPORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.info("shadow report of %s vs %s failed: %s %s", r.shadow_version, r.primary_version,
+                     e.code().name, e.details())
+            return False
+        return True
 
     def cancel(self, request_id: str, reason: str) -> asyncio.Task[bool] | None:
         """Publishes the cancel on the cluster's cancellation bus: the worker drops the request even

@@ -91,9 +91,9 @@ def test_every_metric_defined_is_documented_with_its_type_and_labels_and_vice_ve
             own = tuple(x for x in labels if x not in identity and x != "le")
             assert own == doc.labels, f"{doc.name}: documented labels {doc.labels}, defined {own}"
             if doc.type == "histogram":
-                assert doc.unit in ("seconds", "ratio") and doc.name.endswith(("_seconds", "agreement"))
-            if doc.unit == "seconds":
-                assert doc.name.endswith("_seconds"), doc.name
+                assert doc.unit in ("seconds", "ratio", "nats") and doc.name.endswith(("_seconds", "agreement", "_nats"))
+            if doc.unit in ("seconds", "nats"):
+                assert doc.name.endswith(f"_{doc.unit}"), doc.name
     worker_families = components["baton_worker_"][0]
     assert all(labels[:4] == tuple(WORKER_IDENTITY) for _, labels in worker_families.values())
 

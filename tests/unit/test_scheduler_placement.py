@@ -147,3 +147,37 @@ def test_catalog_first_version_takes_traffic_and_later_ones_wait_for_an_operator
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_catalog_sums_shadow_comparisons_per_version_pair(redis_server: object) -> None:
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler.versions import ModelCatalog
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)  # type: ignore[attr-defined]
+        await client.flushdb()
+        catalog = ModelCatalog(client)
+        assert await catalog.comparisons("m") == []
+        one = {"requests": 1, "identical": 1, "greedy_agreement": 1.0, "positions": 10, "top1_agreed": 10,
+               "kl_sum": 0.01, "primary_ttft_ms": 20.0, "shadow_ttft_ms": 30.0, "itl_requests": 1,
+               "primary_itl_ms": 10.0, "shadow_itl_ms": 8.0}
+        two = {**one, "identical": 0, "greedy_agreement": 0.5, "top1_agreed": 6, "kl_sum": 0.09,
+               "shadow_ttft_ms": 50.0, "itl_requests": 0, "primary_itl_ms": 0.0, "shadow_itl_ms": 0.0}
+        await catalog.record_shadow("m", "v1", "v2", one)
+        await catalog.record_shadow("m", "v1", "v2", two)
+        await catalog.record_shadow("m", "v1", "v3", one)
+        with pytest.raises(ValueError, match="unknown shadow figures"):
+            await catalog.record_shadow("m", "v1", "v2", {"bogus": 1.0})
+        pairs = await catalog.comparisons("m")
+        assert [(s.primary_version, s.shadow_version) for s in pairs] == [("v1", "v2"), ("v1", "v3")]
+        s = pairs[0]
+        assert (s.requests, s.identical, s.positions) == (2, 1, 20)
+        assert s.greedy_agreement == pytest.approx(0.75) and s.top1_agreement == pytest.approx(0.8)
+        assert s.mean_kl == pytest.approx(0.005)
+        assert s.latency_ms() == pytest.approx((20.0, 40.0, 10.0, 8.0))  # ITL over the one request with it
+        await client.aclose()
+
+    asyncio.run(main())
