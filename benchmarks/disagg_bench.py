@@ -172,9 +172,11 @@ def setups(plan: DisaggPlan, cores: tuple[int, ...]) -> list[Setup]:
             WorkerSpec("decode", "decode", d_core, one, ("--kv-transport", "nixl")),
         ), threshold=plan.local_prefill_threshold),
         Setup("colocated", "colocated, no chunked prefill", (WorkerSpec("worker", "both", both, plan.threads, (
-            "--long-prefill-chunk", str(plan.no_chunk), "--max-num-batched-tokens", str(plan.no_chunk))),)),
+            "--long-prefill-chunk", str(plan.no_chunk), "--max-num-batched-tokens", str(plan.no_chunk),
+            "--mixed-prefill-tokens", "0")),)),
         Setup("chunked", "colocated, chunked prefill", (WorkerSpec("worker", "both", both, plan.threads, (
-            "--long-prefill-chunk", str(plan.chunk), "--max-num-batched-tokens", str(plan.chunk_budget))),)),
+            "--long-prefill-chunk", str(plan.chunk), "--max-num-batched-tokens", str(plan.chunk_budget),
+            "--mixed-prefill-tokens", "0")),)),
     ]
 
 
@@ -327,7 +329,8 @@ def offline_main(argv: Sequence[str]) -> int:
     from engine.llm import LLM
 
     llm = LLM(model=None, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
-              long_prefill_chunk=args.long_prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens)
+              long_prefill_chunk=args.long_prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
+              mixed_prefill_tokens=0)  # as the chunked worker it is compared with
     job = json.loads(args.job.read_text())
     warm_ids, warm_max = job["warmup"]
     llm.generate([warm_ids], SamplingParams(max_tokens=warm_max, temperature=0.0, ignore_eos=True))

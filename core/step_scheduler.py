@@ -17,6 +17,9 @@ There is no separate prefill path: each step a request's ``num_computed_tokens``
 * Fairness between long and short prompts: a prompt takes at most ``long_prefill_chunk`` tokens per
   step, and the rest of the budget goes to the prompts behind it. Arrival order (FCFS) means a long
   prompt is never overtaken forever; the chunk cap means a short prompt behind it shares each step.
+* Inter-token latency (``mixed_prefill_tokens`` > 0): a step that runs decodes carries at most that
+  many prompt tokens besides them, so a prompt arriving while streams decode lengthens each of their
+  steps a little instead of one of them a lot; a step without decodes still takes the whole budget.
 * Heavy tenants' prompts (``heavy_prefill_chunk`` > 0; a prefill worker's setting): a tenant whose
   prompt tokens computed here recently (halving every ``RECENT_HALF_LIFE_S``) are more than twice
   another tenant's — one seen here within ``RECENT_WINDOW_S`` — is *heavy*: its prompts take at most
@@ -60,12 +63,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
     heavy_prefill_chunk: int = 0  # a heavy tenant's prompt tokens per step (0: no tenant is heavy)
+    mixed_prefill_tokens: int = 0  # prompt tokens a step may add to running decodes (0: the budget's rest)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.long_prefill_chunk < 1:
             raise ValueError("scheduler limits must be positive")
-        if self.heavy_prefill_chunk < 0:
-            raise ValueError("heavy_prefill_chunk must not be negative")
+        if self.heavy_prefill_chunk < 0 or self.mixed_prefill_tokens < 0:
+            raise ValueError("heavy_prefill_chunk and mixed_prefill_tokens must not be negative")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode needs a token)")
 
@@ -208,6 +212,8 @@ class StepScheduler:
                 continue
             self._run(out, request, n)
             budget -= n
+        if out.scheduled and self.config.mixed_prefill_tokens:  # decodes run: keep their step short
+            budget = min(budget, self.config.mixed_prefill_tokens)
         # Prompts in fair order. The plan's chunks fit the free blocks, and a waiting request is admitted
         # only into blocks those chunks do not need, so a started prompt always progresses. A chunk
         # that a fairer waiting request overtakes gets less of the budget, or none this step.

@@ -29,6 +29,10 @@ class PrefillSpan:
     start_pos: int  # absolute position of the first query token
     block_table: torch.Tensor  # [n_blocks] long, covering positions 0 .. start_pos + n - 1
     mask: torch.Tensor | None  # [n, ctx] bool (True = attend), None when a plain causal mask will do
+    # A short chunk on CPU attends row by row, each token a query of its own, as decodes do (the same
+    # kernel whatever else is in the step, so its numbers do not depend on the batch): [n, W], [n].
+    row_block_tables: torch.Tensor | None = None
+    row_ctx_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -45,6 +49,20 @@ class AttentionMetadata:
     # The unified form used by the GPU kernel (every token: its sequence and that sequence's table).
     block_tables: torch.Tensor | None = None  # [S, max_blocks]
     token_seq_ids: torch.Tensor | None = None  # [T]
+    # Every row as a query of its own (its sequence's table, context = its position + 1), set on CPU when
+    # every prompt chunk of the step attends row by row: then the whole step runs the one-call decode
+    # stack (varlen attention per row) instead of the per-layer path.
+    row_block_tables: torch.Tensor | None = None  # [T, max_blocks] long
+    row_ctx_lens: torch.Tensor | None = None  # [T] long
+
+    def rows_attention(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block table, context length) of every one of the ``num_tokens`` rows, if the step can attend
+        row by row: a decode-only step, or one whose prompt chunks were laid out so."""
+        if self.num_decode_tokens == num_tokens and not self.prefills:
+            return self.decode_block_tables, self.decode_ctx_lens
+        if self.row_block_tables is not None and self.row_ctx_lens is not None:
+            return self.row_block_tables, self.row_ctx_lens
+        return None
 
 
 def paged_attention_reference(
@@ -96,8 +114,8 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Attention for a mixed batch: the Triton kernel on GPU; on CPU the varlen paged decode kernel for
-    all decode tokens (each over its own context) plus one SDPA per prompt chunk (a fresh prompt uses
-    its own K/V, no cache gather)."""
+    all decode tokens (each over its own context) and for short prompt chunks (row by row), plus one SDPA
+    per other prompt chunk (a fresh prompt uses its own K/V, no cache gather)."""
     if q.is_cuda and meta.block_tables is not None and meta.token_seq_ids is not None:
         from engine.triton_attention import paged_attention_triton
 
@@ -110,6 +128,10 @@ def paged_attention(
         outs.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_ctx_lens, scale, sliding_window))  # [Bd, H, D]
     for p in meta.prefills:
+        if p.row_block_tables is not None and p.row_ctx_lens is not None:
+            outs.append(paged_decode_attention(q[p.token_start : p.token_end], k_cache, v_cache, p.row_block_tables,
+                                               p.row_ctx_lens, scale, sliding_window))
+            continue
         qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.mask is None:
             k = k_new[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
 
 # Torch-free at import, so the launcher and the CLI take the choices from here without loading torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# On CPU a step's time grows with its rows: 4 decodes of the default model take 17 ms alone, 23 ms with
+# 16 prompt tokens, 28 with 32, 36 with 64 (2 threads, docs/ENGINE.md). 32 keeps a decoding stream's
+# gaps under the mission's 30 ms ITL while a prompt that arrives beside it is still prefilled in a
+# few steps; a step without decodes takes the whole budget.
+MIXED_PREFILL_TOKENS_CPU = 32
 QUANTIZATIONS = ("none", "int8")
 
 
@@ -33,6 +38,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
     heavy_prefill_chunk: int = 0  # a heavy tenant's prompt tokens per step; 0 = none is heavy (core.step_scheduler)
+    # Prompt tokens a step may carry besides running decodes (their inter-token latency's guard); None =
+    # MIXED_PREFILL_TOKENS_CPU on CPU, no cap on GPU (whose steps barely grow with 512 more rows); 0 = no cap.
+    mixed_prefill_tokens: int | None = None
     max_model_len: int | None = None  # None = the model's context, capped by what the KV cache holds
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -45,8 +53,15 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
+            raise ValueError("mixed_prefill_tokens must not be negative")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+
+    def resolved_mixed_prefill_tokens(self) -> int:
+        if self.mixed_prefill_tokens is not None:
+            return self.mixed_prefill_tokens
+        return MIXED_PREFILL_TOKENS_CPU if self.torch_device().type == "cpu" else 0
 
     def torch_device(self) -> torch.device:
         import torch

@@ -6,9 +6,11 @@ After loading, `prepare_linears` replaces each `nn.Linear` of the decoder layers
   (``mkldnn._reorder_linear_weight``), so each call skips the per-call reorder that ``F.linear`` pays
   (measured here: 1.4-2x faster at 1-32 rows; AMX or AVX512-BF16 do the products).
 - **int8** (``quantization="int8"``) → `Int8Linear` for the decoder layers: symmetric per-output-channel
-  int8 weights with one scale per row (a quarter of fp32's bytes), multiplied by
-  ``aten._weight_int8pack_mm`` with bf16 activations (fp32 activations run that kernel 20-40x slower, so
-  int8 wants bf16). The logits head stays bf16 (packed).
+  int8 weights with one scale per row (a quarter of fp32's bytes). A decode step's few rows (up to 16)
+  go through Baton's own kernel (``baton::int8_linear``, engine/csrc/cpu_ops.cpp: each weight read once
+  and widened in registers); without the C++ kernels, up to 8 rows take ``aten._weight_int8pack_mm``
+  (with bf16 activations: fp32 ones run it 20-40x slower). More rows (a prefill) are dequantized and
+  multiplied as bf16. The logits head stays bf16 (packed).
 - fp32, GPU, or a CPU without oneDNN bf16 → unchanged ``nn.Linear`` (the reference).
 
 `probe_cpu_bf16` decides whether bf16 is fast on this CPU (``dtype="auto"``): oneDNN must support it
@@ -25,11 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_ops
+
 log = logging.getLogger(__name__)
 
 # int8 rows per call above which _weight_int8pack_mm loses to dequantize-then-multiply (it redoes the
 # dequantization for every 4 rows; measured here at 3072x576: 4 rows 84 us, 16 rows 401 us vs 298 us).
 _INT8PACK_MAX_ROWS = 8
+# Rows Baton's int8 kernel takes. One decode step's layer weights streamed from memory (the default
+# model, 2 threads): 1 row 9.9 ms vs 10.5 (int8pack), 8 rows 17.3 vs 24.6, 12 rows 24.3 vs 31.8
+# (dequantize + multiply), 16 rows 30.3 vs 33.0; above 16 a prefill's rows are compute-bound and the
+# bf16 GEMM wins.
+_KERNEL_MAX_ROWS = 16
 
 
 def _packing_available() -> bool:
@@ -105,7 +114,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
-        if x.device.type == "cpu" and x.shape[0] <= _INT8PACK_MAX_ROWS:
+        if x.shape[0] <= _KERNEL_MAX_ROWS and cpu_ops.use_kernels(x):
+            out = torch.ops.baton.int8_linear(x, self.qweight, self.scales)
+        elif x.device.type == "cpu" and x.shape[0] <= _INT8PACK_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
             out = F.linear(x, self.qweight.to(x.dtype)) * self.scales

@@ -132,7 +132,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = StepScheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk,
-                            config.heavy_prefill_chunk),
+                            config.heavy_prefill_chunk, config.resolved_mixed_prefill_tokens()),
             self.kv,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size)

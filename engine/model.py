@@ -194,14 +194,15 @@ class LlamaForCausalLM(nn.Module):
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) views, see `layer_views`
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        if meta.num_decode_tokens == x.shape[0] and not meta.prefills and cpu_ops.use_kernels(x):
+        rows = meta.rows_attention(x.shape[0])
+        if rows is not None and cpu_ops.use_kernels(x):
             plan = self._decode_plan()
-            if plan is not None:  # a decode-only step: the whole stack in one C++ call
+            if plan is not None:  # every row attends on its own: the whole stack in one C++ call
                 cfg = self.config
                 k_caches, v_caches = [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers]
                 return torch.ops.baton.decode_layers(
                     x, plan[1], plan[0], meta.positions, meta.slot_blocks, meta.slot_offsets,
-                    meta.decode_block_tables, meta.decode_ctx_lens, self.rope.cos, self.rope.sin, k_caches, v_caches,
+                    rows[0], rows[1], self.rope.cos, self.rope.sin, k_caches, v_caches,
                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                     cfg.sliding_window or 0)
         residual = None

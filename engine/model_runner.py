@@ -109,6 +109,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 samplers.append(s)
         spans: list[PrefillSpan] = []
+        row_tables, row_lens = list(tables), list(ctx_lens)  # every row's, if every chunk attends by rows
         for s in chunks:
             start, n = s.start, s.num_new_tokens
             row0 = len(ids)
@@ -116,15 +117,22 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             ctx = start + n
             table = torch.tensor(s.block_ids[: (ctx + bs - 1) // bs], dtype=torch.long)
-            mask = None
-            if start > 0 or (window is not None and n > window):
+            span = PrefillSpan(row0, row0 + n, start, table.to(self.device), None)
+            if self.device.type == "cpu" and _attends_by_rows(start, n):
+                chunk_tables = [s.block_ids[: p // bs + 1] for p in range(start, ctx)]
+                chunk_lens = list(range(start + 1, ctx + 1))
+                span.row_block_tables = _pad_tables(chunk_tables)
+                span.row_ctx_lens = torch.tensor(chunk_lens, dtype=torch.long)
+                row_tables += chunk_tables
+                row_lens += chunk_lens
+            elif start > 0 or (window is not None and n > window):
                 q_pos = torch.arange(start, ctx).unsqueeze(1)
                 k_pos = torch.arange(ctx).unsqueeze(0)
                 mask = k_pos <= q_pos
                 if window is not None:
                     mask &= k_pos > q_pos - window
-                mask = mask.to(self.device)
-            spans.append(PrefillSpan(row0, row0 + n, start, table.to(self.device), mask))
+                span.mask = mask.to(self.device)
+            spans.append(span)
             if s.samples:
                 sample_rows.append(row0 + n - 1)
                 samplers.append(s)
@@ -144,6 +152,9 @@ class ModelRunner:
         if self.device.type == "cuda":  # the Triton kernel takes the unified form
             meta.block_tables = _pad_tables(all_tables).to(self.device)
             meta.token_seq_ids = torch.tensor([i for i, _ in pairs], dtype=torch.int32, device=self.device)
+        elif spans and all(p.row_ctx_lens is not None for p in spans):
+            meta.row_block_tables = _pad_tables(row_tables)
+            meta.row_ctx_lens = torch.tensor(row_lens, dtype=torch.long)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return input_ids, meta, sample_rows, samplers
 
@@ -156,6 +167,22 @@ def _seq_positions(
     for j, s in enumerate(chunks):
         pairs.extend((len(decodes) + j, p) for p in range(s.start, s.start + s.num_new_tokens))
     return pairs
+
+
+# Prompt chunks short enough to attend row by row on CPU, each token a query over its own context as a
+# decode is, with the decodes' kernel: no per-chunk SDPA and no gather of the cached context, and a step
+# whose chunks all qualify (a prompt arriving beside running decodes, in chunks) runs the one-call
+# decode stack. Whether a chunk qualifies depends on the chunk alone, so its numbers do not depend on
+# what else is in the step. Row by row reads a query's whole context for each query, as SDPA's
+# products do; the bounds keep the per-row kernel on the short contexts it was measured on. Measured
+# on the default model (2 threads; 4 decodes and a 64-token prompt in 16-token chunks): 30 ms per mixed
+# step on the per-layer path, 23 ms this way.
+ROW_ATTENTION_MAX_TOKENS = 64  # tokens of the chunk
+ROW_ATTENTION_MAX_CONTEXT = 4096  # the sum of its tokens' context lengths
+
+
+def _attends_by_rows(start: int, n: int) -> bool:
+    return n <= ROW_ATTENTION_MAX_TOKENS and n * start + n * (n + 1) // 2 <= ROW_ATTENTION_MAX_CONTEXT
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:

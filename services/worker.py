@@ -368,7 +368,8 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
                                  block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  long_prefill_chunk=config.long_prefill_chunk,
-                                 heavy_prefill_chunk=config.heavy_prefill_chunk or 0, num_threads=config.threads)
+                                 heavy_prefill_chunk=config.heavy_prefill_chunk or 0,
+                                 mixed_prefill_tokens=config.mixed_prefill_tokens, num_threads=config.threads)
     # Every torch op, the engine's construction and the KV cache's registration included, runs on the
     # engine thread (see AsyncEngine.launch).
     aengine = await AsyncEngine.launch(lambda: LLMEngine(engine_config), config.max_pending_outputs)

@@ -34,6 +34,7 @@ class WorkerConfig:
     # A heavy tenant's prompt tokens per step (core.step_scheduler); None = HEAVY_PREFILL_CHUNK on a
     # prefill worker, where a light tenant's prompt would otherwise wait for a whole heavy prompt, else 0.
     heavy_prefill_chunk: int | None = None
+    mixed_prefill_tokens: int | None = None  # prompt tokens beside running decodes per step; None = engine default
     threads: int | None = None
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
@@ -68,6 +69,9 @@ def add_worker_parser(sub: Any) -> None:
     p.add_argument("--long-prefill-chunk", type=int, default=512,
                    help="most prompt tokens one request prefills per step (chunked prefill); "
                         "set it to the context length to turn chunking off")
+    p.add_argument("--mixed-prefill-tokens", type=int, default=None,
+                   help="most prompt tokens a step adds to running decodes, guarding their inter-token latency "
+                        "(default: 32 on CPU, no cap on GPU; 0 = no cap)")
     p.add_argument("--heavy-prefill-chunk", type=int, default=None,
                    help="prompt tokens per step of a heavy tenant's prompt, so a light tenant's prompt starts "
                         f"soon (default: {HEAVY_PREFILL_CHUNK} on a prefill worker, else 0 = off)")

@@ -19,6 +19,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float load(const float* p) { return *p; }
@@ -186,8 +190,51 @@ void rope_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at:
   });
 }
 
+#if defined(__AVX512F__)
+// fast_exp on 16 lanes (GCC does not vectorize the scalar one: its std::nearbyint has no SIMD clone).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), f);
+  __m512 p = _mm512_set1_ps(1.3981999e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // Softmax's two passes over n scores: s[i] = e^(s[i] - max); returns the sum, stores the max.
 inline float exp_shifted(float* s, int64_t n, float* max_out) {
+#if defined(__AVX512F__)
+  const int64_t n16 = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - n16)) - 1u);
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = lowest;
+  for (int64_t i = 0; i < n16; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  if (tail) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lowest, tail, s + n16));
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n16; i += 16) {
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmx));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (tail) {
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + n16), vmx));
+    _mm512_mask_storeu_ps(s + n16, tail, e);
+    vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+  }
+  *max_out = mx;
+  return _mm512_reduce_add_ps(vsum);
+#else
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   float sum = 0.f;
@@ -198,6 +245,7 @@ inline float exp_shifted(float* s, int64_t n, float* max_out) {
   }
   *max_out = mx;
   return sum;
+#endif
 }
 
 // Calls fn(p, row) for context positions lo .. lo + n - 1 (p counts from 0), walking the block table
@@ -213,8 +261,6 @@ inline void for_each_row(const int64_t* table, int64_t lo, int64_t n, int64_t bs
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -483,6 +529,116 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 // multiply: 0 plain (at::linear), 1 oneDNN-packed bf16, 2 int8 weight-only.
 namespace {
 
+// ---------------------------------------------------------------------------------------------------
+// int8 weight-only linear for the few rows of a decode step: out[M, N] = (x[M, K] @ q[N, K]^T) * s[N].
+//
+// Decode multiplies a handful of rows by every weight once, so the time is the weight bytes read from
+// memory. torch's `_weight_int8pack_mm` reaches about half the read bandwidth here; this kernel widens
+// each int8 weight to fp32 in registers (never materialising a dequantized copy) and multiplies it into
+// up to 16 rows at once, so a weight byte is read once per step. Rows are converted to fp32 first (x
+// is small: M x K). Each thread owns a contiguous range of output channels and streams CB of them at
+// a time; accumulation is fp32 over the whole K, rounded once to the output dtype.
+#if defined(__AVX512F__)
+template <int MT, int CB, typename T>
+void int8_rows(const float* xf, int64_t m_rows, int64_t k, const int8_t* q, const T* scales, int64_t n0, int64_t n1,
+               T* out, int64_t n_total) {
+  const int64_t k16 = k / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k - k16)) - 1u);
+  for (int64_t n = n0; n < n1; n += CB) {
+    const int cb = static_cast<int>(std::min<int64_t>(CB, n1 - n));
+    const int8_t* rows[CB];
+    for (int c = 0; c < CB; ++c) rows[c] = q + (n + std::min(c, cb - 1)) * k;
+    // Row tiles of MT share the CB weight rows while they are in L1 (CB x K bytes).
+    for (int64_t m0 = 0; m0 < m_rows; m0 += MT) {
+      const int mt = static_cast<int>(std::min<int64_t>(MT, m_rows - m0));
+      const float* xt = xf + m0 * k;
+      __m512 acc[MT][CB];
+      for (int m = 0; m < MT; ++m)
+        for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k16; i += 16) {
+        __m512 w[CB];
+        for (int c = 0; c < CB; ++c)
+          w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c] + i))));
+        for (int m = 0; m < MT; ++m) {
+          if (m >= mt) break;
+          const __m512 xv = _mm512_loadu_ps(xt + m * k + i);
+          for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, w[c], acc[m][c]);
+        }
+      }
+      if (tail) {
+        __m512 w[CB];
+        for (int c = 0; c < CB; ++c)
+          w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, rows[c] + k16)));
+        for (int m = 0; m < MT; ++m) {
+          if (m >= mt) break;
+          const __m512 xv = _mm512_maskz_loadu_ps(tail, xt + m * k + k16);
+          for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, w[c], acc[m][c]);
+        }
+      }
+      for (int m = 0; m < mt; ++m)
+        for (int c = 0; c < cb; ++c)
+          store(out + (m0 + m) * n_total + n + c, _mm512_reduce_add_ps(acc[m][c]) * load(scales + n + c));
+    }
+  }
+}
+#endif
+
+// Scalar fallback (a CPU without AVX-512): the same sums, in the same fp32.
+template <typename T>
+void int8_rows_scalar(const float* xf, int64_t m_rows, int64_t k, const int8_t* q, const T* scales, int64_t n0,
+                      int64_t n1, T* out, int64_t n_total) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float s = 0.f;
+      const int8_t* row = q + n * k;
+      const float* xr = xf + m * k;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < k; ++i) s += xr[i] * static_cast<float>(row[i]);
+      store(out + m * n_total + n, s * load(scales + n));
+    }
+}
+
+constexpr int64_t kInt8MaxRows = 16;
+
+}  // namespace
+
+// out[M, N] = x[M, K] @ (q[N, K] * scales[N])^T for M <= 16 rows; x, scales and out fp32 or bf16, q int8.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scales.dim() == 1, "int8_linear: x [M, K], q [N, K], scales [N]");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "int8_linear: q must be contiguous int8");
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(q.size(1) == k && scales.size(0) == n, "int8_linear: shapes do not match");
+  TORCH_CHECK(m <= kInt8MaxRows, "int8_linear: at most ", kInt8MaxRows, " rows, got ", m);
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type() && scales.is_contiguous(),
+              "int8_linear: scales must be contiguous, in x's dtype");
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  return BATON_DISPATCH(x.scalar_type(), "int8_linear", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* sp = scales.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // One block of output channels per thread (each a contiguous stretch of q, read once); each converts
+    // the few rows of x to fp32 for itself.
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t grain = std::max<int64_t>(16, (n + threads - 1) / threads);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      std::vector<float> xf(static_cast<size_t>(m * k));
+      for (int64_t i = 0; i < m * k; ++i) xf[i] = load(xp + i);
+#if defined(__AVX512F__)
+      if (m <= 4) int8_rows<4, 4>(xf.data(), m, k, qp, sp, n0, n1, op, n);
+      else int8_rows<8, 2>(xf.data(), m, k, qp, sp, n0, n1, op, n);
+#else
+      int8_rows_scalar(xf.data(), m, k, qp, sp, n0, n1, op, n);
+#endif
+    });
+    return out;
+  });
+}
+
+namespace {
+
 // An empty tensor stands for "no bias" in the weight list (a Tensor[] cannot hold None).
 inline bool present(const at::Tensor& b) { return b.defined() && b.numel() > 0; }
 
@@ -503,7 +659,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& b, const at::Tensor& s) {
   if (kind == 1) return packed_linear(x, w, b);
   if (kind == 2) {  // int8 weight-only: as engine/linear.py Int8Linear
-    at::Tensor out = x.size(0) <= 8 ? at::_weight_int8pack_mm(x, w, s) : at::linear(x, w.to(x.scalar_type())) * s;
+    at::Tensor out = x.size(0) <= kInt8MaxRows ? int8_linear(x, w, s) : at::linear(x, w.to(x.scalar_type())) * s;
     return present(b) ? out + b : out;
   }
   return present(b) ? at::linear(x, w, b) : at::linear(x, w);
@@ -555,6 +711,7 @@ TORCH_LIBRARY(baton, m) {
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_blocks, Tensor slot_offsets) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor ctx_lens, float scale, int window) -> ()");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor[] weights, int kind, Tensor positions, Tensor slot_blocks, "
         "Tensor slot_offsets, Tensor block_tables, Tensor ctx_lens, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
@@ -567,6 +724,7 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_and_cache", &rope_and_cache);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("int8_linear", &int8_linear);
   m.impl("decode_layers", &decode_layers);
 }
 

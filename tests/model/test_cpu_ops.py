@@ -95,6 +95,41 @@ def test_varlen_decode_attention_matches_the_padded_reference(dtype: torch.dtype
         cpu_ops.paged_decode_attention(q, cache[:, 0], cache[:, 1], table, ctx + width * bs, d**-0.5, window)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 11, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 40), (130, 576)])  # 40: a tail shorter than one 16-wide vector
+def test_int8_linear_matches_its_dequantized_weights(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    from engine.linear import quantize_int8
+
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    q, scales = quantize_int8(torch.randn(n, k, generator=g))
+    scales = scales.to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    want = x.float() @ (q.float() * scales.float().unsqueeze(1)).T  # fp32 products of the very same values
+    got = torch.ops.baton.int8_linear(x, q, scales)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # fp32 sums of k terms in another order than torch's: a few ulps of the sum's magnitude (~sqrt(k)).
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tol, rtol=tol)
+    strided = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, ::2]  # a non-contiguous x is copied first
+    want = strided.float() @ (q.float() * scales.float()[:, None]).T
+    torch.testing.assert_close(torch.ops.baton.int8_linear(strided, q, scales).float(), want.to(dtype).float(),
+                               atol=tol, rtol=tol)
+
+
+def test_int8_linear_refuses_what_it_cannot_multiply() -> None:
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    s = torch.ones(8)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        torch.ops.baton.int8_linear(torch.zeros(17, 32), q, s)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.baton.int8_linear(torch.zeros(2, 31), q, s)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        torch.ops.baton.int8_linear(torch.zeros(2, 32), q, s.bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        torch.ops.baton.int8_linear(torch.zeros(2, 32), q.float(), s)
+
+
 def test_the_torch_fallback_serves_when_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(3, 8)
     w = torch.ones(8)
@@ -135,3 +170,64 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
         model._plan = None  # the Python layers from here on
         slow = model(ids, meta, runner.kv_layers)
     close(fast, slow, getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_mixing_prompt_chunks_with_decodes_run_the_one_call_stack_alike(
+        family: str, dtype: str, request: pytest.FixtureRequest) -> None:
+    """Prompt chunks that arrive beside running decodes attend row by row in `baton::decode_layers`
+    (engine.model_runner: small chunks only); the tokens and logprobs equal the per-layer Python path's."""
+    from core.sampling_params import SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+
+    path = request.getfixturevalue(family)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = {"early": list(range(5, 40)), "late-1": list(range(50, 61)), "late-2": list(range(70, 100))}
+
+    def run(one_call: bool) -> tuple[dict[str, list[int]], dict[str, list[float]], int]:
+        engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, kv_cache_memory=8 << 20, long_prefill_chunk=8,
+                                        mixed_prefill_tokens=12))
+        if not one_call:
+            engine.runner.model._plan = None
+        mixed = 0
+        prepare = engine.runner._prepare
+
+        def counting(out: object) -> object:
+            nonlocal mixed
+            got = prepare(out)  # type: ignore[arg-type]
+            meta = got[1]
+            mixed += bool(meta.prefills and meta.num_decode_tokens and meta.row_block_tables is not None)
+            return got
+
+        engine.runner._prepare = counting  # type: ignore[method-assign]
+        assert isinstance(engine.runner, ModelRunner)
+        tokens: dict[str, list[int]] = {k: [] for k in prompts}
+        logprobs: dict[str, list[float]] = {k: [] for k in prompts}
+        engine.add_request("early", prompts["early"], params)
+        for n in range(40):
+            if n == 6:  # "early" decodes by now: these prompts are chunked beside it
+                engine.add_request("late-1", prompts["late-1"], params)
+                engine.add_request("late-2", prompts["late-2"], params)
+            for out in engine.step():
+                tokens[out.request_id] = list(out.token_ids)
+                logprobs[out.request_id] = [lp.logprob for lp in out.logprobs or []]
+            if not engine.has_unfinished:
+                break
+        return tokens, logprobs, mixed
+
+    fast, fast_lp, mixed = run(True)
+    slow, slow_lp, _ = run(False)
+    assert mixed >= 3  # steps that mixed chunks with decodes went through the one-call stack
+    assert all(len(t) == 12 for t in fast.values())
+    if dtype == "float32":
+        assert fast == slow
+    for rid in prompts:
+        # bf16 sums in another order may flip a near tie; compare up to the first token that differs.
+        same = next((i for i, (a, b) in enumerate(zip(fast[rid], slow[rid], strict=True)) if a != b), 12)
+        assert same >= 3, (rid, fast[rid], slow[rid])
+        tol = 1e-4 if dtype == "float32" else 0.1
+        torch.testing.assert_close(torch.tensor(fast_lp[rid][:same]), torch.tensor(slow_lp[rid][:same]),
+                                   atol=tol, rtol=tol)

@@ -82,6 +82,27 @@ def test_chunked_prefill_puts_decodes_first_and_caps_chunks() -> None:
     assert chunks == [8] * 5
 
 
+def test_running_decodes_cap_the_prompt_tokens_of_their_step() -> None:
+    s = make(max_num_batched_tokens=64, long_prefill_chunk=32, mixed_prefill_tokens=6)
+    s.add_request(req("alone", 40, max_tokens=30))
+    out, _ = step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [32], "no decodes running: the whole chunk"
+    step(s)  # the rest of its prompt; it decodes from here on
+    a, b = req("a", 20, max_tokens=30, base=100), req("b", 20, max_tokens=30, base=200)
+    s.add_request(a)
+    s.add_request(b)
+    per_step = []
+    while a.num_computed_tokens < 20 or b.num_computed_tokens < 20:
+        out = s.schedule()
+        assert out.scheduled[0].request.request_id == "alone" and out.scheduled[0].num_new_tokens == 1
+        per_step.append(sum(x.num_new_tokens for x in out.scheduled if x.request.request_id != "alone"
+                            and x.request.num_computed_tokens < x.request.num_prompt_tokens))
+        s.update(out, {x.request.request_id: fake_token(x.request) for x in out.scheduled if x.samples})
+    assert sum(per_step) == 40 and max(per_step) == 6, per_step  # beside a decode: at most 6 prompt tokens a step
+    with pytest.raises(ValueError, match="must not be negative"):
+        SchedulerConfig(mixed_prefill_tokens=-1)
+
+
 def test_short_prompt_shares_steps_with_a_long_one() -> None:
     s = make(max_num_batched_tokens=16, long_prefill_chunk=10)
     s.add_request(req("long", 100, max_tokens=1))
