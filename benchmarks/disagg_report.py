@@ -102,7 +102,9 @@ def _setup_text(plan: DisaggPlan, cores: tuple[int, ...], results: Sequence[Setu
     where = f"cores {', '.join(map(str, cores))}" if len(cores) >= 2 else "one core (fewer than two available)"
     shorts = plan.num_slots * plan.rounds
     lines = [
-        f"The default model (SmolLM2-135M-Instruct, fp32 on CPU) on {where}. Three configurations, each started "
+        f"The default model (SmolLM2-135M-Instruct, in the workers' default dtype: bf16 where this CPU runs it "
+        f"faster, which is not batch-invariant, so greedy tokens may differ between configurations; "
+        f"docs/ENGINE.md) on {where}. Three configurations, each started "
         "as real processes the way a user starts them, one after another in this run; the gateway and this "
         "benchmark's client float over both cores in every configuration. Every worker has "
         f"`--kv-cache-memory {plan.kv_cache_memory >> 20}MiB`; the gateway places statically.",

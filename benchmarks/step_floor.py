@@ -106,8 +106,10 @@ def _decode_steps_ms(engine: Any, prompt_lens: list[int], num_steps: int, seed: 
     times = []
     for _ in range(num_steps):
         t0 = time.perf_counter()
-        engine.step()
+        done = [o.request_id for o in engine.step() if o.finished]
         times.append(time.perf_counter() - t0)
+        if done:
+            raise RuntimeError(f"{done[0]} finished before the timed steps did: they must time the whole batch")
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished:
@@ -130,8 +132,10 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
 
     dtype_name, quantization = PRECISIONS[precision]
     r = FloorResult(precision)
+    # No cap on prompt tokens beside decodes: the timed steps are decode steps of every request together,
+    # and the cap would hold the 2k prompt back while the short ones decode (and finish).
     llm = LLM(model=None, dtype=dtype_name, quantization=quantization, kv_cache_memory=512 << 20,
-              max_num_seqs=64, num_threads=num_threads)
+              max_num_seqs=64, num_threads=num_threads, mixed_prefill_tokens=0)
     engine, model = llm.engine, llm.engine.runner.model
     kv_mib = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() / 2**20
     rss = _rss_mib()
