@@ -97,7 +97,9 @@ async def with_solo_tenant(c: Cluster, max_concurrent: int) -> tuple[SchedulerSe
 
 def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server: Any, tiny_llama: Path) -> None:
     async def body(c: Cluster) -> None:
-        sched = await c.start_scheduler(heartbeat_timeout_s=0.6)
+        # Not a short heartbeat timeout: with 0.6 s, a decode worker that missed one heartbeat on a busy
+        # machine left placement and the whole burst below went to the other (seen in a fresh-clone run).
+        sched = await c.start_scheduler(heartbeat_timeout_s=2.0)
         p_addr, _ = await c.start_worker("prefill")
         d1, d1_stub = await c.start_worker("decode")
         d2, _ = await c.start_worker("decode")
