@@ -77,6 +77,9 @@ def probe_cpu_bf16() -> bool:
 class PackedLinear(nn.Module):
     """A bf16 linear layer whose weight is stored in oneDNN's blocked layout (CPU only)."""
 
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -86,7 +89,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +103,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(nn.Module):
     """Weight-only int8 linear: int8 weights [N, K] and per-row scales, activations in their own dtype."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
         super().__init__()
@@ -114,6 +122,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
+        out: torch.Tensor
         if x.shape[0] <= _KERNEL_MAX_ROWS and cpu_ops.use_kernels(x):
             out = torch.ops.baton.int8_linear(x, self.qweight, self.scales)
         elif x.device.type == "cpu" and x.shape[0] <= _INT8PACK_MAX_ROWS:

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -257,7 +257,7 @@ class LLMEngine:
             raise CapacityExceeded("not enough free KV blocks to receive this request", retry_after_s=0.5)
         self.kv.allocate(request, n_prompt - hit.num_tokens, hit)
         request.num_cached_tokens = hit.num_tokens
-        local = list(self.kv.block_ids(request.request_id))
+        local = cast(list[int], list(self.kv.block_ids(request.request_id)))  # BlockId is an int
         skip = len(hit.block_ids)
         try:
             pull = start_pull(list(source_block_ids[skip:n_blocks]), local[skip:n_blocks])
@@ -336,11 +336,11 @@ class LLMEngine:
             self._aborted.append(self._make_output(transfer.request, state, "", []))
             return True
         request = self.scheduler.abort(RequestId(request_id))
-        state = self._states.pop(RequestId(request_id), None)
+        found = self._states.pop(RequestId(request_id), None)
         self._queued_at.pop(RequestId(request_id), None)
-        if request is None or state is None:
+        if request is None or found is None:
             return False
-        self._aborted.append(self._make_output(request, state, "", []))
+        self._aborted.append(self._make_output(request, found, "", []))
         return True
 
     @property

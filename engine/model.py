@@ -10,6 +10,7 @@ inference is bound by.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +98,14 @@ class Attention(nn.Module):
         q, k = cpu_ops.rope_and_cache(q, k, v, rope.cos, rope.sin, meta.positions, k_cache, v_cache,
                                       meta.slot_blocks, meta.slot_offsets)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))
+        return projected
 
 
 class MLP(nn.Module):
+    gate_up_proj: nn.Module  # nn.Linear, or its fast form after loading (engine.linear)
+    down_proj: nn.Module
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -108,10 +113,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class DecoderLayer(nn.Module):
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+    mlp: MLP
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -148,7 +159,7 @@ def _build_decode_plan(model: LlamaForCausalLM) -> tuple[int, list[torch.Tensor]
 
     kinds: set[int] = set()
     weights: list[torch.Tensor] = []
-    for layer in model.layers:
+    for layer in model.decoder_layers():
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             got = parts(proj)
@@ -193,22 +204,26 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) views, see `layer_views`
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x: torch.Tensor = self.embed_tokens(input_ids)
         rows = meta.rows_attention(x.shape[0])
         if rows is not None and cpu_ops.use_kernels(x):
             plan = self._decode_plan()
             if plan is not None:  # every row attends on its own: the whole stack in one C++ call
                 cfg = self.config
                 k_caches, v_caches = [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers]
-                return torch.ops.baton.decode_layers(
+                hidden: torch.Tensor = torch.ops.baton.decode_layers(
                     x, plan[1], plan[0], meta.positions, meta.slot_blocks, meta.slot_offsets,
                     rows[0], rows[1], self.rope.cos, self.rope.sin, k_caches, v_caches,
                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                     cfg.sliding_window or 0)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, meta, kv_layers[i], self.rope)
+                return hidden
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.decoder_layers()):
+            x, residual = cast(tuple[torch.Tensor, torch.Tensor], layer(x, residual, meta, kv_layers[i], self.rope))
         return x if residual is None else (residual + x.float()).to(x.dtype)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def _decode_plan(self) -> tuple[int, list[torch.Tensor]] | None:
         """(kind, 14 tensors per layer) for `baton::decode_layers`, built once; None when the layers'
@@ -220,8 +235,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] → [S, V] fp32
         h = self.norm(hidden)
         if h.is_cuda or not isinstance(self.lm_head, nn.Linear):  # a packed or int8 head: one call
-            return self.lm_head(h).float()
+            logits: torch.Tensor = self.lm_head(h)
+            return logits.float()
         # On CPU one [S, hidden] x [hidden, V] GEMM over the whole vocabulary runs ~15% slower than the
         # same product in vocabulary slices that stay cache-resident (measured: benchmarks, docs/ENGINE.md).
-        slices = self.lm_head.weight.split(LOGITS_SLICE_ROWS)
+        slices = torch.split(self.lm_head.weight, LOGITS_SLICE_ROWS)
         return torch.cat([F.linear(h, w) for w in slices], dim=1).float()

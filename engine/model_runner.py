@@ -6,6 +6,7 @@ scheduled requests and returns the sampled token of every request whose step rea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         samplers: list[ScheduledRequest] = []
         ctx_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[Sequence[int]] = []
         for s in decodes:
             pos = s.start
             ids.append(s.request.token_at(pos))
@@ -185,6 +186,6 @@ def _attends_by_rows(start: int, n: int) -> bool:
     return n <= ROW_ATTENTION_MAX_TOKENS and n * start + n * (n + 1) // 2 <= ROW_ATTENTION_MAX_CONTEXT
 
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+def _pad_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
+    return torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.long).view(len(tables), width)

@@ -24,8 +24,8 @@ _LOG2E = 1.4426950408889634
 _MIN_DOT_DIM = 16  # tl.dot wants every tile dimension >= 16
 
 
-@triton.jit
-def _paged_attention_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # Triton's own argument types (pointers, constexprs)
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_ids_ptr, positions_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,  # K cache view [num_blocks, block_size, KVH, D]
