@@ -240,7 +240,11 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     assert handoffs >= 2
     assert prefill.value("baton_worker_queue_seconds_count") == prefill.value("baton_worker_prefill_seconds_count")
     assert prefill.value("baton_worker_prefill_seconds_count") == handoffs
-    assert prefill.value("baton_worker_leases_ended_total", outcome="released") == handoffs
+    # Each lease ends once. The cancelled request's may end "aborted": the gateway's abort can reach the
+    # prefill worker before it has polled the decode worker's release notification.
+    released = prefill.value("baton_worker_leases_ended_total", outcome="released")
+    aborted = prefill.value("baton_worker_leases_ended_total", outcome="aborted")
+    assert released + aborted == handoffs and aborted <= 1, (released, aborted)
     assert prefill.value("baton_worker_leases_ended_total", outcome="expired") == 0
     peers = decode.labels("baton_worker_kv_transfer_bytes_total", "peer")
     assert peers == prefill.labels("baton_worker_kv_blocks", "worker")
