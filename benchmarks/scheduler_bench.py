@@ -75,9 +75,9 @@ async def _measure(address: str, scheduler_pid: int, quick: bool, log: Callable[
     import grpc
 
     from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from scheduler.service import prompt_hashes
+    from scheduler.placing import prompt_hashes
     from scheduler.tenants import TenantConfig, cache_salt
-    from services.placement import CallStream
+    from services.gateway.router import CallStream
 
     rng = random.Random(7)
     channel = grpc.aio.insecure_channel(address)
@@ -118,7 +118,7 @@ async def _measure(address: str, scheduler_pid: int, quick: bool, log: Callable[
     beating.start()
     if not first_round.wait(60):  # measure once it runs, not while it starts up
         raise RuntimeError("the heartbeat process did not start")
-    # The gateway's path: its one `Calls` stream (services.placement.CallStream), as SchedulerRouter uses it.
+    # The gateway's path: its one `Calls` stream (services.gateway.router.CallStream), as SchedulerRouter uses it.
     calls = CallStream(stub, address)
 
     async def streamed(req: scheduler_pb2.PlaceRequest) -> scheduler_pb2.PlaceResponse:

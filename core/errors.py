@@ -1,7 +1,7 @@
 """The one error hierarchy of Baton: every error a client can see knows its gRPC code and HTTP status.
 
 `core` must not import grpc, so the gRPC code is kept as its canonical name (``"INVALID_ARGUMENT"``);
-the services map it to ``grpc.StatusCode[name]`` in one place.
+`rpc.errors` maps it to the status code of that name, and carries the class itself across the wire.
 """
 
 from __future__ import annotations
@@ -83,6 +83,17 @@ class Unavailable(ServingError):
     error_type = "unavailable"
 
 
+class WorkerLost(Unavailable):
+    """A worker could not be reached, died or is shutting down (outside a KV transfer): the request may
+    go on on another worker. ``address``: the worker's, where the caller knows it."""
+
+    error_type = "worker_lost"
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
+
+
 class KVTransferFailed(ServingError):
     """Moving KV blocks between workers failed or timed out; the caller may retry with a new prefill."""
 
@@ -97,3 +108,11 @@ class KVIncompatible(ServingError):
     grpc_code = "FAILED_PRECONDITION"
     http_status = 500
     error_type = "kv_incompatible"
+
+
+class RoleMismatch(ServingError):
+    """A worker was asked for a stage its role does not serve (Prefill on a decode worker): a routing bug."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 500
+    error_type = "role_mismatch"

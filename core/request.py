@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import NewType
 
+from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -21,14 +22,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended; the values are the OpenAI `finish_reason` strings."""
-
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens, or the model's context is full
-    ABORT = "abort"  # cancelled by the client, a deadline or an error
 
 
 @dataclass(slots=True, eq=False)

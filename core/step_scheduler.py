@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 from core.errors import InvalidRequest
 from core.kv_cache import BlockId, KVCacheManager
-from core.request import FinishReason, Request, RequestId, RequestStatus
+from core.outputs import FinishReason
+from core.request import Request, RequestId, RequestStatus
 
 FAIR_TIE = 1e-3  # tokens: a lifted tenant starts this far below the least-served one (ties go to it)
 MAX_TRACKED_TENANTS = 10_000
@@ -162,7 +163,7 @@ class StepScheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self.finish(request, FinishReason.ABORT)
+        self.finish(request, FinishReason.CANCELLED)
         return request
 
     def finish(self, request: Request, reason: FinishReason) -> None:
@@ -173,7 +174,7 @@ class StepScheduler:
             self.waiting.remove(request)
         else:
             return
-        if request.kv_lease_id is not None and reason is not FinishReason.ABORT:
+        if request.kv_lease_id is not None and reason is not FinishReason.CANCELLED:
             self.kv.pin(request, request.kv_lease_id)  # a peer will pull these blocks; see kv_transfer
         self.kv.free(request)
         request.status = RequestStatus.FINISHED

@@ -1,5 +1,5 @@
 """`DecodeHandoff`: the decode side of disaggregation — check a `KVHandle`, pull only the blocks the
-local prefix cache lacks, and continue the request in the continuous batch."""
+local prefix cache lacks (`decode_worker.pulls`), and continue the request in the continuous batch."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from core.errors import KVIncompatible, KVTransferFailed
 from core.sampling_params import SamplingParams
+from decode_worker.pulls import KVPulls
 from engine.llm_engine import LLMEngine
 from kv_transfer.handle import KVHandle
 from kv_transfer.transport import NOTIFY_ABORT, NOTIFY_RELEASE, KVTransport, PendingPull
@@ -35,6 +36,7 @@ class DecodeHandoff:
         self.engine = engine
         self.transport = transport
         self._handles: dict[str, KVHandle] = {}
+        self.pulls = KVPulls(engine)
         engine.runner.kv_cache = transport.register(engine.runner.kv_cache)
 
     def add_peer(self, metadata: bytes) -> str:
@@ -65,7 +67,7 @@ class DecodeHandoff:
                 return _NothingToPull()
             return self.transport.start_pull(handle.source, src, dst, handle.lease_id)
 
-        n = self.engine.add_transferred_request(
+        n = self.pulls.add(
             request_id, prompt_token_ids, first_token, params, handle.block_ids, start_pull,
             timeout_s=timeout_s, cache_salt=cache_salt,
         )
@@ -74,7 +76,7 @@ class DecodeHandoff:
 
     def abort(self, request_id: str) -> bool:
         """Aborts the request here and tells the source to free its lease (best effort)."""
-        found = self.engine.abort_request(request_id)
+        found = self.pulls.abort(request_id) or self.engine.abort_request(request_id)
         handle = self._handles.pop(request_id, None)
         if handle is not None:
             try:

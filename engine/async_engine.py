@@ -19,7 +19,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from core.errors import CapacityExceeded, InvalidRequest, ServingError, Unavailable
-from engine.llm_engine import LLMEngine, RequestOutput
+from core.outputs import RequestOutput
+from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

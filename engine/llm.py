@@ -7,9 +7,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 from core.errors import InvalidRequest
+from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 
 __all__ = ["LLM", "RequestOutput"]
 

@@ -12,15 +12,16 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 
-from core.errors import CapacityExceeded, InvalidRequest, KVTransferFailed, ModelLoadError, ServingError
+from core.errors import InvalidRequest, ModelLoadError, ServingError
 from core.kv_cache import KVCacheManager
-from core.request import FinishReason, Request, RequestId, RequestStatus
+from core.outputs import FinishReason, RequestOutput, TokenLogprobs
+from core.request import Request, RequestId, RequestStatus
 from core.sampling_params import SamplingParams
 from core.step_scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
 from engine.config import EngineConfig
@@ -29,64 +30,26 @@ from engine.digests import model_digest
 from engine.loader import load_model, resolve_model_dir
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, kv_block_bytes
-from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's output so far. ``new_text`` / ``new_token_ids`` are what this step added."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    new_text: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[TokenLogprobs] | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: ServingError | None = None  # set when the request ended because of an error
-    # On the request's first output after the event (0.0 on every other output), for metrics:
-    queue_s: float = 0.0  # added -> first scheduled (requests that entered the waiting queue)
-    transfer_s: float = 0.0  # its KV pull: started -> landed (disaggregated only)
+class StepHook(Protocol):
+    """Work the engine runs at the start of every step (the decode worker's KV pulls): it may admit
+    requests (`admit_landed`) or end them (`end_unscheduled`); while ``busy`` the engine keeps stepping."""
 
     @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def busy(self) -> bool: ...
 
-
-class PendingPull(Protocol):
-    """A KV pull in flight (see kv_transfer): ``poll()`` is True when done, raises on failure;
-    ``cancel()`` asks it to stop; ``settled()`` is True once no more bytes can land in its blocks."""
-
-    def poll(self) -> bool: ...
-
-    def cancel(self) -> None: ...
-
-    def settled(self) -> bool: ...
-
-
-StartPull = Callable[[list[int], list[int]], PendingPull]  # (source blocks, local blocks) → pull
-
-
-@dataclass(slots=True)
-class _Transfer:
-    request: Request
-    pull: PendingPull
-    deadline: float
-    num_blocks: int  # blocks pulled (those not already in the local prefix cache)
-    started: float = field(default_factory=time.monotonic)
+    def before_step(self) -> None: ...
 
 
 @dataclass(slots=True)
 class _OutputState:
     detok: IncrementalDetokenizer
     matcher: StopStringMatcher | None
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text emitted so far (joined once, at the end)
     logprobs: list[TokenLogprobs] | None = None
     continues_elsewhere: bool = False  # a handoff prefill: reaching max_tokens is not the end of the text
 
@@ -138,11 +101,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.model_config.eos_token_ids)))
         self._states: dict[RequestId, _OutputState] = {}
-        self._aborted: list[RequestOutput] = []
-        self._transfers: dict[RequestId, _Transfer] = {}
-        # Blocks of cancelled or failed pulls that may still be written to: freed once settled, so a
-        # late write can never land in a block that another request already owns.
-        self._draining: list[tuple[str, PendingPull]] = []  # (private lease, pull)
+        self._aborted: list[RequestOutput] = []  # ended between steps: emitted with the next step
+        self.step_hooks: list[StepHook] = []
         self._transfer_seconds: dict[RequestId, float] = {}  # landed pulls: start → landed
         # Metrics, read by the worker when scraped (plain counters: nothing per step but additions).
         self._queued_at: dict[RequestId, float] = {}  # requests not yet scheduled once → added at
@@ -197,39 +157,43 @@ class LLMEngine:
         self._queued_at[request.request_id] = time.monotonic()
         return request
 
-    def add_transferred_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        first_token: int,
-        params: SamplingParams,
-        source_block_ids: Sequence[int],
-        start_pull: StartPull,
-        timeout_s: float = 10.0,
+    def continue_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], first_token: int, params: SamplingParams,
         cache_salt: str = "",
-    ) -> int:
-        """Continues a request prefilled elsewhere: allocates blocks for its prompt, reuses what the
-        local prefix cache already holds, and starts pulling only the missing blocks. The request
-        joins the batch once the pull lands (polled each step); a failed or timed-out pull ends it
-        with a `KVTransferFailed` error and frees its blocks. Returns the number of blocks pulled."""
+    ) -> Request:
+        """A request prefilled elsewhere, checked and tracked but not yet scheduled (its KV is to be
+        pulled: see decode_worker.pulls); ``first_token`` is the one the prefill worker already sent.
+        Then `admit_landed` schedules it, or `end_unscheduled` / `forget` ends it."""
         request = self._new_request(request_id, self._check_ids([*prompt_token_ids, first_token]), params, cache_salt)
         request.prompt_token_ids.pop()
-        if request.request_id in self.scheduler.requests or request.request_id in self._transfers:
+        if request.request_id in self.scheduler.requests or request.request_id in self._states:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         request.output_token_ids.append(first_token)
-        n_prompt = request.num_prompt_tokens
-        if n_prompt + params.max_tokens > self.max_model_len:
+        if request.num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt + max_tokens exceeds the context of {self.max_model_len} tokens")
-        n_blocks = -(-n_prompt // self.kv.block_size)
-        if len(source_block_ids) < n_blocks:
-            raise InvalidRequest(f"the handle holds {len(source_block_ids)} blocks, the prompt needs {n_blocks}")
         self._track(request)
         self._continue_after(request, [first_token])
-        try:
-            return self._start_transfer(request, n_prompt, n_blocks, source_block_ids, start_pull, timeout_s)
-        except BaseException:
-            del self._states[request.request_id]
-            raise
+        return request
+
+    def admit_landed(self, request: Request, transfer_s: float) -> None:
+        """A continued request whose prompt KV is now in its blocks joins the running batch."""
+        self._transfer_seconds[request.request_id] = transfer_s
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        self.scheduler.add_running(request)
+
+    def end_unscheduled(self, request: Request, error: ServingError | None = None) -> None:
+        """Ends a continued request that never joined the batch (its blocks are the caller's to free);
+        its final output (`FinishReason.CANCELLED`, with ``error``) comes with the next step."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.CANCELLED
+        out = self._make_output(request, self._states.pop(request.request_id), "", [])
+        out.error = error
+        self._aborted.append(out)
+
+    def forget(self, request: Request) -> None:
+        """Drops a continued request that could not start (nothing is emitted)."""
+        self._states.pop(request.request_id, None)
 
     def _continue_after(self, request: Request, sent: list[int]) -> None:
         """Tokens another worker already streamed become context: their text is not emitted again
@@ -244,28 +208,7 @@ class LLMEngine:
                 if hit_stop:
                     del self._states[request.request_id]
                     raise InvalidRequest("the tokens already sent complete a stop string: nothing to decode")
-            state.text += delta
-
-    def _start_transfer(
-        self, request: Request, n_prompt: int, n_blocks: int, source_block_ids: Sequence[int],
-        start_pull: StartPull, timeout_s: float,
-    ) -> int:
-        hit = self.kv.find_prefix(request)
-        hit.block_ids = hit.block_ids[:n_blocks]
-        hit.num_tokens = min(hit.num_tokens, n_prompt)
-        if not self.kv.can_allocate(request, n_prompt - hit.num_tokens, hit):
-            raise CapacityExceeded("not enough free KV blocks to receive this request", retry_after_s=0.5)
-        self.kv.allocate(request, n_prompt - hit.num_tokens, hit)
-        request.num_cached_tokens = hit.num_tokens
-        local = cast(list[int], list(self.kv.block_ids(request.request_id)))  # BlockId is an int
-        skip = len(hit.block_ids)
-        try:
-            pull = start_pull(list(source_block_ids[skip:n_blocks]), local[skip:n_blocks])
-        except BaseException:
-            self.kv.free(request)
-            raise
-        self._transfers[request.request_id] = _Transfer(request, pull, time.monotonic() + timeout_s, n_blocks - skip)
-        return n_blocks - skip
+            state.pieces.append(delta)
 
     def kv_layout_fields(self) -> dict[str, object]:
         """What a peer's KV cache must match (see kv_transfer.KVLayout): model, dtype and geometry."""
@@ -289,10 +232,6 @@ class LLMEngine:
                 digest = hashlib.sha256(f"{digest}+{self.config.quantization}-woq-v1".encode()).hexdigest()[:16]
             self._model_version = digest
         return self._model_version
-
-    @property
-    def num_transfers(self) -> int:
-        return len(self._transfers)
 
     def pinned_blocks(self, lease_id: str) -> list[int]:
         return list(self.kv.pinned_blocks(lease_id))
@@ -326,15 +265,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request at this step boundary and frees its blocks; its final output (finish_reason
-        "abort") comes with the next ``step()``. Returns False if the id is unknown or finished."""
-        transfer = self._transfers.pop(RequestId(request_id), None)
-        if transfer is not None:
-            self._drop_pull(transfer.request, transfer.pull)
-            transfer.request.status = RequestStatus.FINISHED
-            transfer.request.finish_reason = FinishReason.ABORT
-            state = self._states.pop(transfer.request.request_id)
-            self._aborted.append(self._make_output(transfer.request, state, "", []))
-            return True
+        CANCELLED) comes with the next ``step()``. Returns False if the id is unknown or finished (a
+        request whose KV is still being pulled is its `StepHook`'s to abort)."""
         request = self.scheduler.abort(RequestId(request_id))
         found = self._states.pop(RequestId(request_id), None)
         self._queued_at.pop(RequestId(request_id), None)
@@ -345,40 +277,13 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._aborted) or bool(self._transfers) or bool(self._draining)
-
-    @property
-    def num_draining_blocks(self) -> int:
-        """Blocks held back until a cancelled pull can no longer write to them."""
-        return sum(len(self.kv.pinned_blocks(lease)) for lease, _ in self._draining)
-
-    def _drop_pull(self, request: Request, pull: PendingPull) -> None:
-        """Ends a pull that will not be used. Its blocks move to a private lease (so the request id
-        is free for a retry at once) and return to the pool only when no byte can still land."""
-        pull.cancel()
-        if pull.settled():
-            self.kv.free(request)
-            return
-        lease = f"drain:{request.request_id}:{id(pull):x}"
-        self.kv.pin(request, lease)
-        self._draining.append((lease, pull))
-
-    def _free_settled(self) -> None:
-        still = []
-        for lease, pull in self._draining:
-            if pull.settled():
-                self.kv.unpin(lease)
-            else:
-                still.append((lease, pull))
-        self._draining = still
+        return self.scheduler.has_unfinished or bool(self._aborted) or any(h.busy for h in self.step_hooks)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        for hook in self.step_hooks:
+            hook.before_step()
         outputs, self._aborted = self._aborted, []
-        if self._draining:
-            self._free_settled()
-        if self._transfers:
-            outputs += self._poll_transfers()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -400,41 +305,14 @@ class LLMEngine:
             if added is not None:
                 self._queue_seconds[s.request.request_id] = now - added
 
-    def _poll_transfers(self) -> list[RequestOutput]:
-        failed: list[RequestOutput] = []
-        now = time.monotonic()
-        for rid, t in list(self._transfers.items()):
-            error: ServingError | None = None
-            try:
-                done = t.pull.poll()
-            except KVTransferFailed as e:
-                done, error = False, e
-            if not done and error is None and now > t.deadline:
-                error = KVTransferFailed(f"KV transfer of {t.num_blocks} blocks timed out")
-            if done:
-                del self._transfers[rid]
-                self._transfer_seconds[rid] = now - t.started
-                r = t.request
-                r.num_computed_tokens = r.num_prompt_tokens
-                self.kv.cache_full_blocks(r, r.num_computed_tokens)
-                self.scheduler.add_running(r)
-            elif error is not None:
-                del self._transfers[rid]
-                self._drop_pull(t.request, t.pull)
-                t.request.status = RequestStatus.FINISHED
-                t.request.finish_reason = FinishReason.ABORT
-                out = self._make_output(t.request, self._states.pop(rid), "", [])
-                out.error = error
-                log.warning("request %s: %s", rid, error.message)
-                failed.append(out)
-        return failed
-
     def _postprocess(self, request: Request, result: RunnerOutput) -> RequestOutput:
         rid = request.request_id
         state = self._states[rid]
         token = result.sampled[rid]
+        new_logprobs = None
         if state.logprobs is not None and rid in result.logprobs:
-            state.logprobs.append(result.logprobs[rid])
+            new_logprobs = [result.logprobs[rid]]
+            state.logprobs.append(new_logprobs[0])
         stopped_by_token = request.finish_reason is FinishReason.STOP and request.stop_reason == token
         delta = "" if stopped_by_token else state.detok.add([token])
         # At a handoff (length, more to come on the decode worker) held-back text stays held back.
@@ -452,28 +330,33 @@ class LLMEngine:
                 request.stop_reason = state.matcher.stop_string
             elif final and not hit:
                 delta += state.matcher.flush()
-        out = self._make_output(request, state, delta, [token])
+        out = self._make_output(request, state, delta, [token], new_logprobs)
         if request.is_finished:
             del self._states[rid]
         return out
 
     def _make_output(
-        self, request: Request, state: _OutputState, delta: str, new_tokens: list[int]
+        self, request: Request, state: _OutputState, delta: str, new_tokens: list[int],
+        new_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
-        state.text += delta
+        if delta:
+            state.pieces.append(delta)
         finished = request.status is RequestStatus.FINISHED
-        reason = request.finish_reason.value if finished and request.finish_reason else None
-        return RequestOutput(
+        out = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
             new_text=delta,
             new_token_ids=new_tokens,
-            finish_reason=reason,
-            stop_reason=request.stop_reason if finished else None,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            num_output_tokens=len(request.output_token_ids),
+            new_logprobs=new_logprobs if state.logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             queue_s=self._queue_seconds.pop(request.request_id, 0.0) if self._queue_seconds else 0.0,
             transfer_s=self._transfer_seconds.pop(request.request_id, 0.0) if self._transfer_seconds else 0.0,
         )
+        if finished:  # the whole output, built once
+            out.finish_reason = request.finish_reason or FinishReason.CANCELLED
+            out.stop_reason = request.stop_reason
+            out.token_ids = list(request.output_token_ids)
+            out.text = "".join(state.pieces)
+            out.logprobs = list(state.logprobs) if state.logprobs is not None else None
+        return out

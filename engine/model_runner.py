@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.outputs import TokenLogprobs
 from core.request import RequestId
 from core.step_scheduler import ScheduledRequest, SchedulerOutput
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.model import LlamaForCausalLM, layer_views
 from engine.model_config import ModelConfig
-from engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from engine.sampler import Sampler, SamplingRow
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from core.outputs import TokenLogprobs
 from core.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -56,18 +57,6 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one sampled token, from the raw logits. ``rank`` is 1 + the number of strictly more
-    likely tokens (1 = most likely); ``top`` holds the ``params.logprobs`` most likely (token id, logprob)
-    pairs, best first (empty for ``logprobs=0``)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)

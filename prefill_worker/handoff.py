@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from core.errors import ServingError
+from core.outputs import FinishReason, RequestOutput
 from core.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from kv_transfer.handle import KVHandle, KVLayout
 from kv_transfer.transport import KVTransport
 
@@ -62,7 +63,7 @@ class PrefillHandoff:
         """Turns the prefill's final output into a handle; None when the first token already ended
         the request (EOS, a stop string, max_tokens 1), in which case the blocks are freed at once."""
         p = self._prefilling.pop(request_id)
-        if out.error is not None or not out.token_ids or out.finish_reason == "abort":
+        if out.error is not None or not out.token_ids or out.finish_reason is FinishReason.CANCELLED:
             self.engine.unpin_lease(p.lease_id)
             raise out.error or ServingError(f"prefill of {request_id} ended without a token")
         if self.ends_at_first_token(out, p.params, p.num_prompt_tokens):
@@ -78,7 +79,7 @@ class PrefillHandoff:
         )
 
     def ends_at_first_token(self, out: RequestOutput, params: SamplingParams, num_prompt_tokens: int) -> bool:
-        if out.finish_reason == "stop":
+        if out.finish_reason is FinishReason.STOP:
             return True
         return params.max_tokens == 1 or num_prompt_tokens + 1 >= self.engine.max_model_len
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
+from rpc.errors import from_rpc_error
 
 # A shadowed candidate is flagged when its next-token distributions part from the primary's by more
 # than a faithful twin's do. On the default model an int8 twin agrees with fp32 on 95% of teacher-forced
@@ -79,7 +80,7 @@ async def _models(args: argparse.Namespace) -> int:
                 versions = list((await stub.SetRollout(req, timeout=10)).versions)
                 shadow, share, comparisons = {}, {}, []
         except grpc.aio.AioRpcError as e:
-            print(f"baton models: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"baton models: {from_rpc_error(e, args.scheduler).message}", file=sys.stderr)
             return 2
     min_top1 = getattr(args, "min_top1", DEFAULT_MIN_TOP1)
     max_kl = getattr(args, "max_kl", DEFAULT_MAX_KL)

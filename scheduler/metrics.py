@@ -1,11 +1,6 @@
-"""Prometheus plumbing every Baton process shares, and the scheduler's own metrics (docs/METRICS.md).
+"""The scheduler's own metrics (docs/METRICS.md); the plumbing every process shares is `rpc.metrics`.
 
-Shared (the scheduler is the lowest layer that serves metrics; the workers and the gateway import
-these): `BoundedLabel`, which keeps a label of unbounded values (tenants) to a bounded set, and
-`MetricsEndpoint`, an HTTP ``GET /metrics`` on a port of its own, served by aiohttp on the process's
-event loop, which first awaits a refresh of the values read at scrape time (Redis, an engine thread).
-
-The scheduler's request metrics are module globals in `REGISTRY` (``scheduler.service`` observes them
+The scheduler's request metrics are module globals in `REGISTRY` (``scheduler.placing`` observes them
 through `record_place` and `record_queue_wait`); the cluster state a replica reads from Redis at
 scrape time (leases, the fair queue, the workers) comes from one `ClusterStateCollector` per server.
 """
@@ -14,111 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from aiohttp import web
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from core.errors import ServingError
+from rpc.metrics import NONE, BoundedLabel
 
 log = logging.getLogger(__name__)
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series (as vLLM)
 
-DEFAULT_MAX_TENANTS = 32  # tenants with a label value of their own, per process; the rest are "other"
-NONE = "none"  # a label whose value is not known (a request refused before it had a tenant)
-OTHER = "other"  # the tenants past the bound
-
 DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class BoundedLabel:
-    """Values of a label whose set is unbounded (tenant names): the first ``limit`` distinct values keep
-    their own series, every later one is reported as ``other``, so a flood of new tenants cannot blow up
-    the number of series. Per process, never forgets (a restart resets it)."""
-
-    __slots__ = ("limit", "_seen")
-
-    def __init__(self, limit: int = DEFAULT_MAX_TENANTS) -> None:
-        if limit < 0:
-            raise ValueError("the label bound must be at least 0")
-        self.limit = limit
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str) -> str:
-        if not value:
-            return NONE
-        if value in self._seen:
-            return value
-        if len(self._seen) < self.limit:
-            self._seen.add(value)
-            return value
-        return OTHER
-
-
-class MetricsEndpoint:
-    """``GET /metrics`` of one registry on its own port (0: any free port). ``refresh`` is awaited before
-    each scrape, on the event loop: it reads what must be read at scrape time (off the engine thread and
-    the request path; a scrape never blocks a request)."""
-
-    def __init__(self, registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.registry = registry
-        self.refresh = refresh
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self, host: str, port: int) -> str:
-        """Binds and serves; returns the URL of the metrics page."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.url = f"http://{host}:{int(runner.addresses[0][1])}/metrics"
-        log.info("metrics on %s", self.url)
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        if self.refresh is not None:
-            try:
-                await self.refresh()
-            except Exception:  # a scrape shows what it has; the failure is in the log
-                log.exception("metrics refresh failed")
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-class Forward(Collector):
-    """Another registry's metrics inside this one: a process-wide registry of module-level metrics
-    plus per-server collectors, rendered together."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-
-    def collect(self) -> Iterable[Metric]:
-        return self.registry.collect()
-
-
-# --------------------------------------------------------------------------- the scheduler's metrics
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 TENANTS = BoundedLabel()  # `baton scheduler --metrics-max-tenants` sets its limit

@@ -18,9 +18,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
-from core.signals import stop_requested
+from rpc.metrics import DEFAULT_MAX_TENANTS, Forward, MetricsEndpoint
+from rpc.servicer import add_servicer
+from rpc.signals import stop_requested
 from scheduler import metrics
-from scheduler.grpc_service import add_servicer
 from scheduler.leases import LeaseState
 from scheduler.redis_pipe import RedisPipe
 from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
@@ -37,7 +38,7 @@ class SchedulerServer:
     client: aioredis.Redis
     reaper: asyncio.Task[None]
     address: str
-    metrics_endpoint: metrics.MetricsEndpoint | None = None
+    metrics_endpoint: MetricsEndpoint | None = None
     pipe: RedisPipe | None = None
 
     @property
@@ -109,21 +110,21 @@ async def serve_scheduler(
     await server.start()
     for name in ("", "baton.v1.Scheduler"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reaper = asyncio.create_task(servicer.reap_forever(), name="lease-reaper")
+    reaper = asyncio.create_task(servicer.reaper.reap_forever(), name="lease-reaper")
     address = f"{config.host}:{port}"
     scheduler = SchedulerServer(server, servicer, client, reaper, address, pipe=pipe)
     if metrics_max_tenants is not None:
         metrics.TENANTS.limit = metrics_max_tenants
     if metrics_port is not None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(metrics.Forward(metrics.REGISTRY))
+        registry.register(Forward(metrics.REGISTRY))
         state = metrics.ClusterStateCollector()
         registry.register(state)
 
         async def refresh() -> None:
             state.state = await read_cluster_state(servicer)
 
-        scheduler.metrics_endpoint = metrics.MetricsEndpoint(registry, refresh)
+        scheduler.metrics_endpoint = MetricsEndpoint(registry, refresh)
         try:
             await scheduler.metrics_endpoint.start(config.host, metrics_port)
         except BaseException:
@@ -163,7 +164,7 @@ def add_scheduler_parser(sub: Any) -> None:
                         "decode worker rather than wait for a heavier tenant's prefill (default 0: never)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)")
-    p.add_argument("--metrics-max-tenants", type=int, default=metrics.DEFAULT_MAX_TENANTS,
+    p.add_argument("--metrics-max-tenants", type=int, default=DEFAULT_MAX_TENANTS,
                    help="tenants with a metrics label of their own; later ones are 'other' (default: %(default)s)")
     p.set_defaults(func=run_scheduler)
 

@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_cli.add_generate_parser(sub)
     engine_cli.add_prepare_model_parser(sub)
     engine_cli.add_evaluate_parser(sub)
-    from services import gateway, launcher, worker_config
+    from services import launcher
+    from services.gateway import server as gateway
+    from services.worker import config as worker_config
 
     worker_config.add_worker_parser(sub)
     gateway.add_gateway_parser(sub)

@@ -46,6 +46,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class NotHealthyYet(RuntimeError):
+    """Children still starting when a wait ran out (another wait may follow); one that exited is a plain
+    RuntimeError."""
+
+
 @dataclass(slots=True)
 class Child:
     """One process of the cluster, its log file and the gRPC address that says it is healthy."""
@@ -99,7 +104,7 @@ class Cluster:
                     pending.remove(c)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
-                raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {names}\n{pending[0].tail()}")
+                raise NotHealthyYet(f"not healthy after {timeout_s:.0f} s: {names}\n{pending[0].tail()}")
             time.sleep(0.2)
 
     def first_exited(self) -> Child | None:
@@ -284,7 +289,7 @@ def run_up(args: argparse.Namespace) -> int:
                     cluster.wait_healthy(min(1.0, max(0.0, deadline - time.monotonic())), started)
                     break
                 except RuntimeError as e:
-                    if "not healthy" not in str(e) or time.monotonic() > deadline:
+                    if not isinstance(e, NotHealthyYet) or time.monotonic() > deadline:
                         print(f"baton up: {e}", file=sys.stderr)
                         return 1
             if stopping:

@@ -32,7 +32,7 @@ from baton.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.gateway import GatewayConfig, GatewayServer, serve_gateway
+from services.gateway.server import GatewayConfig, GatewayServer, serve_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 FREE_TIMEOUT_S = 10.0

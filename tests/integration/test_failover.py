@@ -37,8 +37,8 @@ from gateway_harness import (
 from baton.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from core.sampling_params import SamplingParams
 from scheduler.redis_server import RedisServer
-from services.gateway import GatewayConfig
-from services.metrics import REGISTRY
+from services.gateway.metrics import REGISTRY
+from services.gateway.server import GatewayConfig
 
 pytestmark = pytest.mark.integration
 
@@ -323,7 +323,7 @@ def migrations_logged(caplog: pytest.LogCaptureFixture) -> dict[str, int]:
 def test_streams_of_a_killed_decode_worker_migrate(
     cluster: Cluster, offline: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.dispatch")
+    caplog.set_level(logging.INFO, logger="services.gateway.dispatch")
     gw = cluster.start("prefill", "decode", "decode")
     prefill, *decoders = cluster.workers
     before = metric("baton_gateway_migrations_total")
@@ -377,7 +377,7 @@ def test_streams_of_a_killed_decode_worker_migrate(
 def test_prefills_of_a_killed_prefill_worker_run_on_the_other(
     cluster: Cluster, offline: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.dispatch")
+    caplog.set_level(logging.INFO, logger="services.gateway.dispatch")
     # A small step budget queues the long prompts on the prefill worker, so it dies with work waiting.
     gw = cluster.start("prefill", "prefill", "decode", flags=("--max-num-batched-tokens", "32", "--max-num-seqs", "8"))
     *prefills, decode = cluster.workers

@@ -33,9 +33,9 @@ from gateway_harness import (
 from baton.v1 import common_pb2, gateway_pb2
 from core.errors import CapacityExceeded, Unavailable
 from core.sampling_params import SamplingParams
-from services.admission import GenerationRequest
-from services.gateway import GatewayConfig, serve_gateway
-from services.request_stream import RequestStream
+from services.gateway.admission import GenerationRequest
+from services.gateway.request_stream import RequestStream
+from services.gateway.server import GatewayConfig, serve_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -313,7 +313,7 @@ def test_a_failed_kv_transfer_is_retried_with_a_fresh_prefill(
     """The first prefill worker's leases expire before D can pull (a real KVTransferFailed on D); the
     gateway releases that lease, prefills again on the next worker, and the client's stream goes on
     from the first token it already has: the output still equals the offline one."""
-    from services.metrics import REGISTRY
+    from services.gateway.metrics import REGISTRY
 
     expiring = WorkerProcess("prefill", tiny_llama, tmp_path, "--lease-ttl-s", "0.001")
     try:
@@ -436,7 +436,7 @@ def test_cancel_rpc_and_deadline(disaggregated: GatewayThread, workers: dict[str
 
 
 def test_a_cancelled_grpc_call_frees_blocks(disaggregated: GatewayThread, workers: dict[str, WorkerProcess]) -> None:
-    from services.metrics import REGISTRY
+    from services.gateway.metrics import REGISTRY
 
     before = REGISTRY.get_sample_value("baton_gateway_cancellations_total", {"reason": "client"}) or 0.0
     responses = disaggregated.stub.Generate(gateway_pb2.GenerateRequest(

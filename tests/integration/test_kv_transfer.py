@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from core.errors import KVTransferFailed
+from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
 from decode_worker.handoff import DecodeHandoff
 from engine.config import EngineConfig
@@ -224,17 +225,17 @@ def test_source_killed_before_the_pull_fails_cleanly(tiny_llama: Path, backend: 
     else:
         out = run_until_done(engine, ["k"], timeout_s=30)["k"]
         assert out.error is not None and type(out.error).__name__ == "KVTransferFailed"
-        assert out.finish_reason == "abort"
+        assert out.finish_reason is FinishReason.CANCELLED
     assert time.monotonic() - t0 < 3.0 + 2.0, "the failure must come within the configured timeout"
     engine.scheduler.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "the decode side leaked blocks"
 
 
-def _run_to_failure_or_end(engine: LLMEngine, rid: str, timeout_s: float) -> Any:
+def _run_to_failure_or_end(engine: LLMEngine, handoff: DecodeHandoff, rid: str, timeout_s: float) -> Any:
     """Steps until the request ends (either way) and every draining block is back."""
     out = run_until_done(engine, [rid], timeout_s=timeout_s)[rid]
     deadline = time.monotonic() + 10
-    while engine.num_draining_blocks and time.monotonic() < deadline:
+    while handoff.pulls.num_draining_blocks and time.monotonic() < deadline:
         engine.step()
         time.sleep(0.01)
     return out
@@ -267,7 +268,7 @@ def test_source_killed_during_the_pull(tiny_llama: Path, backend: str) -> None:
         else:
             time.sleep(0.3)
             os.kill(prefill.proc.pid, signal.SIGKILL)
-            out = _run_to_failure_or_end(engine, "m", timeout_s=30)
+            out = _run_to_failure_or_end(engine, handoff, "m", timeout_s=30)
             error = out.error
         elapsed = time.monotonic() - t0
     finally:
@@ -282,7 +283,7 @@ def test_source_killed_during_the_pull(tiny_llama: Path, backend: str) -> None:
         assert isinstance(error, KVTransferFailed)
         assert elapsed < 4.0 + 2.0, "the failure must come within the configured timeout"
     engine.scheduler.check_integrity()
-    assert engine.num_draining_blocks == 0
+    assert handoff.pulls.num_draining_blocks == 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "decode side leaked"
 
 
@@ -305,14 +306,14 @@ def test_a_hung_source_times_out_and_the_request_can_be_retried(tiny_llama: Path
         except KVTransferFailed as e:
             error: Any = e
         else:
-            error = _run_to_failure_or_end(engine, "h", timeout_s=30).error
+            error = _run_to_failure_or_end(engine, handoff, "h", timeout_s=30).error
         elapsed = time.monotonic() - t0
         print(f"{backend}: hung source -> {error!r} after {elapsed:.2f} s")
         if error is None:  # one-sided: read without the source's CPU — correct, and the test is moot
             assert backend == "nixl"
         else:
             assert isinstance(error, KVTransferFailed) and elapsed < 1.5 + 2.0
-        assert engine.num_draining_blocks == 0
+        assert handoff.pulls.num_draining_blocks == 0
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         token, handle = healthy.prefill("h", ids, params)  # the retry reuses the request id
         handoff.start("h", ids, token, handle, params)
@@ -335,9 +336,9 @@ def test_abort_during_transfer_frees_both_sides(tiny_llama: Path) -> None:
         assert handoff.abort("x")
         assert not engine.kv.block_ids("x")
         outs = engine.step()
-        assert [o.finish_reason for o in outs if o.request_id == "x"] == ["abort"]
+        assert [o.finish_reason for o in outs if o.request_id == "x"] == [FinishReason.CANCELLED]
         deadline = time.monotonic() + 5  # a pull thread still copying holds its blocks until it stops
-        while engine.num_draining_blocks and time.monotonic() < deadline:
+        while handoff.pulls.num_draining_blocks and time.monotonic() < deadline:
             time.sleep(0.01)
             engine.step()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks

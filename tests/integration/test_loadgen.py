@@ -20,7 +20,7 @@ import pytest
 from gateway_harness import GatewayThread, WorkerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway import GatewayConfig
+from services.gateway.server import GatewayConfig
 
 pytestmark = pytest.mark.integration
 

@@ -278,7 +278,7 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
 
 
 def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
-    """Needs the hooks in scheduler.service (`metrics.record_place`): one decision per request placed."""
+    """Needs the hooks in scheduler.placing (`metrics.record_place`): one decision per request placed."""
     complete(up, SHORT_PROMPT, ACME_KEY if up.tenant_added else None)
     wait_idle(up)
     gateway = wait_gateway_idle(up)

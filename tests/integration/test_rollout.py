@@ -32,7 +32,7 @@ from gateway_harness import ROOT, GatewayThread, SchedulerProcess, WorkerProcess
 
 from baton.v1 import common_pb2, gateway_pb2
 from scheduler.admin import DEFAULT_MAX_KL, DEFAULT_MIN_TOP1
-from services.gateway import GatewayConfig
+from services.gateway.server import GatewayConfig
 
 pytestmark = pytest.mark.integration
 

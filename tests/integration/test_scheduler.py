@@ -20,8 +20,8 @@ from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, 
 from scheduler.server import SchedulerServer, serve_scheduler
 from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
 from scheduler.tenants import TenantConfig
-from services.worker import WorkerServer, serve_worker
-from services.worker_config import WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.server import WorkerServer, serve_worker
 
 pytestmark = pytest.mark.integration
 
@@ -314,7 +314,7 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
     gives up — cancelled, or its whole stream gone with the gateway — leaves the fair queue with its
     quota returned."""
     from core.errors import CapacityExceeded, InvalidRequest, Unauthenticated, Unavailable
-    from services.placement import RouteQuery, SchedulerRouter
+    from services.gateway.router import RouteQuery, SchedulerRouter
 
     def query(rid: str, key: str = "key-solo", prompt: list[int] | None = None) -> RouteQuery:
         return RouteQuery(request_id=rid, api_key=key, model="", prompt_token_ids=[5] * 40 if prompt is None else prompt,
@@ -434,7 +434,7 @@ def test_a_lease_ends_even_when_its_pin_lands_after_its_end_was_sent(redis_serve
     must still end, not stay active until its TTL (a likely cause of the failover test's unsettled
     ledger in one CI run): the ledger records the early end and the pin then records an ended lease."""
     from scheduler.leases import LeaseState
-    from services.placement import LeaseReport, SchedulerRouter
+    from services.gateway.router import LeaseReport, SchedulerRouter
 
     async def body(c: Cluster) -> None:
         await c.start_scheduler(heartbeat_timeout_s=2.0)
@@ -469,7 +469,7 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
     """Finish (and ReportLease, Cancel) are fire-and-forget and idempotent: one the scheduler is slow to
     run is not withdrawn when the gateway stops waiting for it (an abandoned Finish left the tenant's
     concurrency slot taken until the quota's request TTL, an hour)."""
-    from services.placement import REPORT_TIMEOUT_S, Route, SchedulerRouter
+    from services.gateway.router import REPORT_TIMEOUT_S, Route, SchedulerRouter
 
     async def body(c: Cluster) -> None:
         servicer, solo = await with_solo_tenant(c, max_concurrent=4)
@@ -500,7 +500,7 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
 def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_server: Any, tiny_llama: Path) -> None:
     """A request protobuf cannot decode (a string that is not UTF-8, a corrupt wire format) is the
     caller's error, INVALID_ARGUMENT with the reason, on every kind of call of the scheduler and the
-    workers (scheduler.grpc_service); grpc alone answers UNKNOWN, as for a server fault."""
+    workers (rpc.servicer); grpc alone answers UNKNOWN, as for a server fault."""
     not_utf8 = b"\x0a\x02\xff\xfe"  # field 1, a string in every request type here: 2 bytes, not UTF-8
     corrupt = b"\x0a\x10\x01"  # field 1 says 16 bytes follow; 1 does
 

@@ -33,8 +33,8 @@ from gateway_harness import ROOT, GatewayThread, SchedulerProcess, WorkerProcess
 
 from baton.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from core.sampling_params import SamplingParams
-from services.gateway import GatewayConfig
-from services.metrics import REGISTRY
+from services.gateway.metrics import REGISTRY
+from services.gateway.server import GatewayConfig
 
 pytestmark = pytest.mark.integration
 

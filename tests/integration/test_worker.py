@@ -13,8 +13,8 @@ import pytest
 
 from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.sampling_params import SamplingParams
-from services.worker import WorkerServer, serve_worker
-from services.worker_config import WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.server import WorkerServer, serve_worker
 
 pytestmark = pytest.mark.integration
 

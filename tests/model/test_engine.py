@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from core.errors import InvalidRequest, ModelLoadError
+from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
+from decode_worker.pulls import KVPulls
 from engine import LLM
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -77,7 +79,7 @@ def test_abort_frees_blocks_and_reports(tiny_llama: Path) -> None:
     assert not engine.kv.block_ids("drop"), "blocks are freed at the step boundary"
     outs = engine.step()
     dropped = [o for o in outs if o.request_id == "drop"]
-    assert dropped and dropped[0].finish_reason == "abort"
+    assert dropped and dropped[0].finish_reason is FinishReason.CANCELLED
     assert not engine.abort_request("drop"), "abort is idempotent"
     while engine.has_unfinished:
         engine.step()
@@ -188,6 +190,7 @@ class _StuckPull:
 
 def test_blocks_of_a_cancelled_pull_are_not_reused_until_it_settles(tiny_llama: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20))
+    pulls = KVPulls(engine)
     pull = _StuckPull()
     ids = list(range(3, 67))  # 4 blocks
     params = SamplingParams(max_tokens=3, temperature=0.0)
@@ -197,22 +200,22 @@ def test_blocks_of_a_cancelled_pull_are_not_reused_until_it_settles(tiny_llama: 
         landed.extend(dst)
         return pull
 
-    assert engine.add_transferred_request("t", ids, 5, params, list(range(4)), start, timeout_s=0.05) == 4
+    assert pulls.add("t", ids, 5, params, list(range(4)), start, timeout_s=0.05) == 4
     total = engine.kv.num_blocks
-    engine.abort_request("t")
+    pulls.abort("t")
     assert pull.cancelled
-    assert engine.num_draining_blocks == 4 and engine.kv.num_free_blocks == total - 4
+    assert pulls.num_draining_blocks == 4 and engine.kv.num_free_blocks == total - 4
     engine.step()  # still writing: the blocks stay out of the pool
-    assert engine.num_draining_blocks == 4
+    assert pulls.num_draining_blocks == 4
     # the request id is free for a retry at once, and it never gets the draining blocks
     retry = _StuckPull()
     got: list[int] = []
-    engine.add_transferred_request("t", ids, 5, params, list(range(4)), lambda s, d: got.extend(d) or retry)
+    pulls.add("t", ids, 5, params, list(range(4)), lambda s, d: got.extend(d) or retry)
     assert not set(got) & set(landed)
     pull.stopped = True
     engine.step()
-    assert engine.num_draining_blocks == 0
-    engine.abort_request("t")
+    assert pulls.num_draining_blocks == 0
+    pulls.abort("t")
     retry.stopped = True
     engine.step()
     engine.scheduler.check_integrity()
@@ -231,7 +234,7 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(tiny_llama: Path, 
     stream = [o for _ in range(40) for o in full.step()]
     done = stream[-1]
     assert done.finished and len(done.token_ids) == 16
-    sent_text = "".join(o.new_text for o in stream if len(o.token_ids) <= k)  # what the client had
+    sent_text = "".join(o.new_text for o in stream if o.num_output_tokens <= k)  # what the client had
 
     other = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20))
     other.add_request("r", prompt, params, resume_token_ids=done.token_ids[:k])
@@ -252,7 +255,7 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(tiny_llama: Path, 
 
 def test_the_engine_counts_for_metrics_in_plain_ints(tiny_llama: Path) -> None:
     """Each request's first output says how long it waited to be scheduled; tokens and steps are
-    counted; an aborted waiting request leaves nothing behind (see services.metrics.WorkerStats)."""
+    counted; an aborted waiting request leaves nothing behind (see services.worker.metrics.WorkerStats)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=8 << 20, max_num_seqs=1))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(3, seed=3)

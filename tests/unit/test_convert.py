@@ -14,14 +14,14 @@ from baton.v1 import common_pb2
 from core.errors import CapacityExceeded, InvalidRequest, KVIncompatible, KVTransferFailed, ServingError
 from core.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
-from services.convert import (
+from rpc.convert import (
     handle_from_pb,
     handle_to_pb,
     layout_to_pb,
     sampling_from_pb,
     sampling_to_pb,
 )
-from services.status import as_serving_error, grpc_code
+from rpc.errors import as_serving_error, grpc_code
 
 pytestmark = pytest.mark.unit
 
@@ -65,6 +65,6 @@ def test_errors_map_to_their_grpc_codes_and_unknown_ones_are_generic() -> None:
 def test_the_edge_modules_do_not_import_torch() -> None:
     import subprocess
 
-    code = "import sys, services.convert, services.status; print('torch' in sys.modules)"
+    code = "import sys, rpc.convert, rpc.errors; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,5 +1,5 @@
-"""The gateway's admission checks and its lenient gRPC decoding, without servers (services.admission,
-services.gateway_servicer): text that is not Unicode, empty chats, request ids, undecodable messages."""
+"""The gateway's admission checks and its lenient gRPC decoding, without servers (services.gateway.admission,
+services.gateway.servicer): text that is not Unicode, empty chats, request ids, undecodable messages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from baton.v1 import common_pb2, gateway_pb2
 from core.errors import ContextLengthExceeded, InvalidRequest
 from core.sampling_params import SamplingParams
-from services.admission import (
+from rpc.servicer import Undecodable
+from services.gateway.admission import (
     GenerationRequest,
     Limits,
     ModelInfo,
@@ -19,7 +20,7 @@ from services.admission import (
     check_unicode,
     request_id_problem,
 )
-from services.gateway_servicer import UndecodableRequest, lenient_deserializer
+from services.gateway.servicer import lenient_deserializer
 
 pytestmark = pytest.mark.unit
 
@@ -74,19 +75,19 @@ def test_undecodable_grpc_messages_name_the_field_and_keep_the_request_id() -> N
     decode = lenient_deserializer(gateway_pb2.GenerateRequest)
     assert decode(generate.SerializeToString()) == generate
     bad = decode(generate.SerializeToString().replace(b"AAAA", b"A\xff\xfeA"))
-    assert isinstance(bad, UndecodableRequest) and bad.request_id == "r1"
+    assert isinstance(bad, Undecodable) and bad.request_id == "r1"
     assert bad.error.message.startswith("prompt is not valid UTF-8 (byte 0xff at offset 1)")
     bad = decode(generate.SerializeToString().replace(b"ZZ", b"Z\xc3"))
-    assert isinstance(bad, UndecodableRequest) and "sampling.stop[0] is not valid UTF-8" in bad.error.message
+    assert isinstance(bad, Undecodable) and "sampling.stop[0] is not valid UTF-8" in bad.error.message
     garbage = decode(b"\xff\xff\xff")
-    assert isinstance(garbage, UndecodableRequest) and garbage.request_id == ""
+    assert isinstance(garbage, Undecodable) and garbage.request_id == ""
     assert "not a valid baton.v1.GenerateRequest message" in garbage.error.message
 
     chat = gateway_pb2.SessionRequest(generate=gateway_pb2.GenerateRequest(
         request_id="r2", messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="QQ")])))
     bad = lenient_deserializer(gateway_pb2.SessionRequest)(chat.SerializeToString().replace(b"QQ", b"\x80Q"))
-    assert isinstance(bad, UndecodableRequest) and bad.request_id == "r2"
+    assert isinstance(bad, Undecodable) and bad.request_id == "r2"
     assert "generate.messages.messages[0].content is not valid UTF-8" in bad.error.message
     cancel = gateway_pb2.CancelRequest(request_id="XX").SerializeToString().replace(b"XX", b"X\xff")
     bad = lenient_deserializer(gateway_pb2.CancelRequest)(cancel)
-    assert isinstance(bad, UndecodableRequest) and bad.request_id == "" and "request_id is not valid" in bad.error.message
+    assert isinstance(bad, Undecodable) and bad.request_id == "" and "request_id is not valid" in bad.error.message

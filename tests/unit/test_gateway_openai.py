@@ -1,11 +1,11 @@
-"""services.openai_api: OpenAI request bodies → GenerationRequest, and the response / chunk / error shapes."""
+"""services.gateway.openai_api: OpenAI request bodies → GenerationRequest, and the response / chunk / error shapes."""
 
 from __future__ import annotations
 
 import pytest
 
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from services.openai_api import (
+from services.gateway.openai_api import (
     chunk_json,
     error_json,
     parse_chat,
@@ -13,7 +13,7 @@ from services.openai_api import (
     response_json,
     usage_chunk_json,
 )
-from services.request_stream import Delta, Finished, Timings, TokenLogprob, Usage
+from services.gateway.request_stream import Delta, Finished, Timings, TokenLogprob, Usage
 
 pytestmark = pytest.mark.unit
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from core.errors import CapacityExceeded, InvalidRequest, Unavailable
-from services.gateway import GatewayConfig, add_gateway_parser
-from services.placement import Route, RouteQuery, StaticRouter
-from services.request_stream import Delta, Finished, RequestStream, Timings, Usage
+from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, Usage
+from services.gateway.router import Route, RouteQuery, StaticRouter
+from services.gateway.server import GatewayConfig, add_gateway_parser
 
 pytestmark = pytest.mark.unit
 
@@ -42,8 +42,8 @@ def test_static_routing_skips_failed_workers() -> None:
 
 
 def test_api_keys_from_http_headers_and_grpc_metadata() -> None:
-    from services.gateway_servicer import api_key_from_metadata
-    from services.http_api import api_key
+    from services.gateway.http_api import api_key
+    from services.gateway.servicer import api_key_from_metadata
 
     assert api_key({"Authorization": "Bearer sk-1"}) == "sk-1"
     assert api_key({"Authorization": "bearer  sk-2 "}) == "sk-2"
@@ -58,7 +58,7 @@ def test_scheduler_errors_keep_their_status() -> None:
     import grpc
 
     from core.errors import ModelNotFound, Unauthenticated
-    from services.placement import scheduler_error
+    from services.gateway.router import scheduler_error
 
     class FakeError(grpc.aio.AioRpcError):  # type: ignore[misc]
         def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
@@ -177,14 +177,14 @@ def test_flags_are_the_config_fields() -> None:
 
 
 def test_gateway_never_imports_torch() -> None:
-    code = "import sys, services.gateway, services.http_api; sys.exit('torch' in sys.modules)"
+    code = "import sys, services.gateway.server, services.gateway.http_api; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_http_errors_carry_retry_after_and_the_openai_body() -> None:
     import json
 
-    from services.http_api import error_response
+    from services.gateway.http_api import error_response
 
     response = error_response(CapacityExceeded("the KV cache is full", retry_after_s=2.2), request_id="r1")
     assert response.status == 429

@@ -1,5 +1,5 @@
 """The gateway's failover decisions, without workers: which failures move a request, which worker it
-leaves behind, and how often (services.dispatch)."""
+leaves behind, and how often (services.gateway.dispatch)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ from typing import Any, cast
 
 import pytest
 
-from core.errors import CapacityExceeded, InvalidRequest, KVTransferFailed, ServingError, Unavailable
+from core.errors import (
+    CapacityExceeded,
+    InvalidRequest,
+    KVTransferFailed,
+    ServingError,
+    Unavailable,
+    WorkerLost,
+)
 from core.sampling_params import SamplingParams
-from services import metrics
-from services.admission import Limits, ModelInfo
-from services.dispatch import MAX_KV_RETRIES, MAX_WORKER_RETRIES, Dispatcher, _Job
-from services.placement import Route, StaticRouter
-from services.worker_clients import WorkerLost
+from services.gateway import metrics
+from services.gateway.admission import Limits, ModelInfo
+from services.gateway.dispatch import MAX_KV_RETRIES, MAX_WORKER_RETRIES, Dispatcher, _Job
+from services.gateway.router import Route, StaticRouter
 
 pytestmark = pytest.mark.unit
 

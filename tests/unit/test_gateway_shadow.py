@@ -1,4 +1,4 @@
-"""Shadow traffic without workers (services.shadow): token agreement, next-token distribution agreement
+"""Shadow traffic without workers (services.gateway.shadow): token agreement, next-token distribution agreement
 (top-1, KL) on the shared prefix, the bound on shadows in flight, cancellation with the primary, what
 each outcome records, and the report per version pair."""
 
@@ -14,11 +14,11 @@ import pytest
 
 from baton.v1 import common_pb2, worker_pb2
 from core.sampling_params import SamplingParams
-from services import metrics
-from services.dispatch import _as_asked
-from services.placement import ShadowReport
-from services.request_stream import Delta, TokenLogprob
-from services.shadow import (
+from services.gateway import metrics
+from services.gateway.dispatch import _as_asked
+from services.gateway.request_stream import Delta, TokenLogprob
+from services.gateway.router import ShadowReport
+from services.gateway.shadow import (
     SHADOW_TOP_K,
     PrimaryResult,
     ShadowRequest,

@@ -14,9 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from rpc import metrics as rpc_metrics
 from scheduler import metrics as scheduler_metrics
-from services import metrics as service_metrics
-from services.request_stream import Delta, Finished, RequestStream, Timings, Usage
+from services.gateway import metrics as service_metrics
+from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, Usage
+from services.worker import metrics as worker_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +69,7 @@ def module_metrics(module: object) -> list[MetricWrapperBase]:
 
 def test_every_metric_defined_is_documented_with_its_type_and_labels_and_vice_versa() -> None:
     docs = documented()
-    worker = service_metrics.WorkerMetrics("m", "v", "prefill", "127.0.0.1:1")
+    worker = worker_metrics.WorkerMetrics("m", "v", "prefill", "127.0.0.1:1")
     worker.transfer_landed("p:1", 0.1, 10)  # a series of each labelled metric, so its labels show
     worker.transfer_failed("p:1")
     worker.request_ended("prefill", "ok")
@@ -75,7 +77,7 @@ def test_every_metric_defined_is_documented_with_its_type_and_labels_and_vice_ve
     state.state.redis_up = True
     state.state.workers[("m", "v", "prefill", "serving")] = 1
     scheduler = CollectorRegistry(auto_describe=False)
-    scheduler.register(scheduler_metrics.Forward(scheduler_metrics.REGISTRY))
+    scheduler.register(rpc_metrics.Forward(scheduler_metrics.REGISTRY))
     scheduler.register(state)
     components = {
         "baton_gateway_": (defined(service_metrics.REGISTRY, module_metrics(service_metrics)), []),
@@ -118,9 +120,9 @@ def test_the_dashboard_queries_only_documented_metrics_and_shows_the_key_ones() 
 
 
 def test_a_bounded_label_keeps_the_first_values_and_folds_the_rest() -> None:
-    label = scheduler_metrics.BoundedLabel(2)
+    label = rpc_metrics.BoundedLabel(2)
     assert [label(t) for t in ("a", "b", "c", "a", "", "d", "b")] == ["a", "b", "other", "a", "none", "other", "b"]
-    assert scheduler_metrics.BoundedLabel(0)("a") == "other"
+    assert rpc_metrics.BoundedLabel(0)("a") == "other"
 
 
 def test_the_stream_counts_how_long_ready_output_waited_for_the_client() -> None:

@@ -1,4 +1,4 @@
-"""The scheduler's per-decision view of its workers (SchedulerServicer._pools) against a real
+"""The scheduler's per-decision view of its workers (scheduler.placing.Decider.pools) against a real
 redis-server: prefix hits from the hash chain, this replica's placements counted until a later load,
 the kept candidates rebuilt exactly when their inputs change, and forgotten when a worker is gone; and
 the tenants a Finish reads."""
@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from baton.v1 import scheduler_pb2 as pb
 from scheduler.placement import Placement
-from scheduler.service import IN_TRANSIT_S, ClusterSchedulerConfig, SchedulerServicer, prompt_hashes
+from scheduler.placing import IN_TRANSIT_S, prompt_hashes
+from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
 from scheduler.tenants import TenantConfig, cache_salt
 
 pytestmark = pytest.mark.unit
@@ -58,27 +59,27 @@ def test_hits_count_leading_blocks_and_placements_count_until_a_later_load(url: 
         await register(s, "b:1", 800, chain[1:])  # every block but the first: no leading hit
         await register(s, "c:1", 700, [])
         s.snapshot.invalidate()
-        decode, _ = await s._pools("m", VERSION, chain)
+        decode, _ = await s.decider.pools("m", VERSION, chain)
         by = {c.address: c for c in decode}
         assert (by["a:1"].hit_blocks, by["b:1"].hit_blocks, by["c:1"].hit_blocks) == (2, 0, 0)
         assert [by[a].free_blocks for a in ("a:1", "b:1", "c:1")] == [900, 800, 700]
 
         # Nothing changed: the same candidates (kept, not rebuilt); another chain: no hits anywhere.
-        again, _ = await s._pools("m", VERSION, chain)
+        again, _ = await s.decider.pools("m", VERSION, chain)
         assert {c.address: c for c in again}["c:1"] is by["c:1"]
-        other, _ = await s._pools("m", VERSION, ["f" * 32])
+        other, _ = await s.decider.pools("m", VERSION, ["f" * 32])
         assert all(c.hit_blocks == 0 for c in other)
 
         # A placement on c counts against it at once (5 new blocks, one more request waiting)...
-        s._note_placement(Placement(None, by["c:1"], 0.0), 5)
-        placed = {c.address: c for c in (await s._pools("m", VERSION, chain))[0]}
+        s.decider.note_placement(Placement(None, by["c:1"], 0.0), 5)
+        placed = {c.address: c for c in (await s.decider.pools("m", VERSION, chain))[0]}
         assert (placed["c:1"].free_blocks, placed["c:1"].waiting) == (695, 1)
         assert placed["b:1"] is by["b:1"]  # the others are kept as they were
         # ...until a load c measured IN_TRANSIT_S after it arrives: that load includes the request.
         await asyncio.sleep(IN_TRANSIT_S * 1.5)
         await s.Heartbeat(pb.HeartbeatRequest(address="c:1", load_only=True, load=pb.WorkerLoad(
             free_blocks=690, running=2, waiting=0)), NoContext())
-        later = {c.address: c for c in (await s._pools("m", VERSION, chain))[0]}
+        later = {c.address: c for c in (await s.decider.pools("m", VERSION, chain))[0]}
         assert (later["c:1"].free_blocks, later["c:1"].running, later["c:1"].waiting) == (690, 2, 0)
 
     run(url, body)
@@ -89,11 +90,11 @@ def test_what_is_kept_per_worker_is_forgotten_once_the_worker_is_gone(url: str) 
         await register(s, "a:1", 900, [])
         await register(s, "b:1", 900, [])
         s.snapshot.invalidate()
-        decode, _ = await s._pools("m", VERSION, [])
+        decode, _ = await s.decider.pools("m", VERSION, [])
         for c in decode:
-            s._note_placement(Placement(None, c, 0.0), 1)
-        await s._pools("m", VERSION, [])
-        assert set(s._recent) == set(s._candidates) == {"a:1", "b:1"}
+            s.decider.note_placement(Placement(None, c, 0.0), 1)
+        await s.decider.pools("m", VERSION, [])
+        assert set(s.decider._recent) == set(s.decider._candidates) == {"a:1", "b:1"}
 
         # b stops heartbeating; a keeps on. Past the heartbeat timeout b leaves the registry.
         deadline = time.monotonic() + 1.0
@@ -103,9 +104,9 @@ def test_what_is_kept_per_worker_is_forgotten_once_the_worker_is_gone(url: str) 
             await asyncio.sleep(0.05)
         await s.registry.sweep()
         s.snapshot.invalidate()
-        assert [c.address for c in (await s._pools("m", VERSION, []))[0]] == ["a:1"]
-        s._forget_gone_workers()
-        assert set(s._recent) == set(s._candidates) == {"a:1"}
+        assert [c.address for c in (await s.decider.pools("m", VERSION, []))[0]] == ["a:1"]
+        s.decider.forget_gone_workers()
+        assert set(s.decider._recent) == set(s.decider._candidates) == {"a:1"}
 
     run(url, body)
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from core.errors import InvalidRequest
 from core.kv_cache import KVCacheManager
-from core.request import FinishReason, Request, RequestId, RequestStatus
+from core.outputs import FinishReason
+from core.request import Request, RequestId, RequestStatus
 from core.sampling_params import SamplingParams
 from core.step_scheduler import RECENT_WINDOW_S, SchedulerConfig, SchedulerOutput, StepScheduler
 
@@ -261,7 +262,7 @@ def test_abort_frees_blocks_at_once_and_is_idempotent() -> None:
     step(s)
     used = s.kv.num_used_blocks
     r = s.abort(RequestId("a"))
-    assert r is not None and r.finish_reason is FinishReason.ABORT
+    assert r is not None and r.finish_reason is FinishReason.CANCELLED
     assert s.kv.num_used_blocks < used
     assert s.abort(RequestId("a")) is None
     s.add_request(req("w", 3))

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServingError
+from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
-from services.admission import GenerationRequest
-from services.request_stream import Delta, Finished, TokenLogprob, Usage
+from services.gateway.admission import GenerationRequest
+from services.gateway.request_stream import Delta, Finished, TokenLogprob, Usage
 
 # Sampling fields passed to SamplingParams as they are (it checks their types and ranges).
 _SAMPLING_FIELDS = (
@@ -30,7 +31,8 @@ _IGNORED = ("user", "metadata", "parallel_tool_calls", "service_tier")
 _COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAMPLING_FIELDS, *_ONLY_DEFAULT, *_IGNORED}
 COMPLETION_FIELDS = frozenset({*_COMMON, "prompt", "logprobs"})
 CHAT_FIELDS = frozenset({*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
-_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+# The OpenAI API's spelling of a finish reason; a cancelled request is vLLM's "abort".
+_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +192,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 
 def finish_reason(finished: Finished | None) -> str | None:
-    return None if finished is None else _FINISH_REASONS.get(finished.finish_reason, finished.finish_reason)
+    return None if finished is None else _FINISH_REASONS[finished.finish_reason]
 
 
 def logprobs_json(call: OpenAICall, logprobs: Sequence[TokenLogprob], token_text: TokenText) -> Any:

@@ -25,17 +25,18 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
-from core.signals import stop_requested
 from core.units import parse_bytes
 from engine.tokenizer import Tokenizer
-from scheduler.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
-from services.admission import Limits, ModelInfo, load_tokenizer, vocab_size
-from services.dispatch import Dispatcher
-from services.gateway_servicer import GatewayServicer, add_gateway_servicer
-from services.http_api import HttpApi
-from services.placement import Router, SchedulerRouter, StaticRouter
-from services.shadow import ShadowTraffic
-from services.worker_clients import WorkerClients
+from rpc.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
+from rpc.servicer import add_servicer
+from rpc.signals import stop_requested
+from services.gateway.admission import Limits, ModelInfo, load_tokenizer, vocab_size
+from services.gateway.dispatch import Dispatcher
+from services.gateway.http_api import HttpApi
+from services.gateway.router import Router, SchedulerRouter, StaticRouter
+from services.gateway.servicer import GatewayServicer, lenient_deserializer
+from services.gateway.shadow import ShadowTraffic
+from services.gateway.worker_clients import WorkerClients
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,9 @@ def _grpc_server(config: GatewayConfig, dispatcher: Dispatcher) -> tuple[grpc.ai
         ("grpc.max_concurrent_streams", config.max_streams_per_connection),
         ("grpc.so_reuseport", 0),  # a port already in use is an error, not a shared port
     ])
-    add_gateway_servicer(GatewayServicer(dispatcher, config.max_session_requests), server)
+    add_servicer(GatewayServicer(dispatcher, config.max_session_requests), server,
+                 gateway_pb2.DESCRIPTOR.services_by_name["Gateway"], deserializer=lenient_deserializer,
+                 pass_undecodable=True)  # a Session fails an undecodable request alone
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

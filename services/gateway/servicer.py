@@ -2,7 +2,9 @@
 
 Proto types stop here: requests become `GenerationRequest`s for the `Dispatcher`, and its events
 (`Delta`, `Finished`, `ServingError`) become messages again. A request message protobuf cannot decode
-(a string field that is not UTF-8) is INVALID_ARGUMENT naming the field, not grpc's UNKNOWN.
+(a string field that is not UTF-8) is INVALID_ARGUMENT naming the field, not grpc's UNKNOWN
+(`lenient_deserializer`, used by `rpc.servicer.add_servicer`, which also turns what a handler raises
+into the call's status).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -21,23 +23,16 @@ from google.protobuf.message import DecodeError, Message
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from core.errors import CapacityExceeded, InvalidRequest, ServingError
-from services.admission import GenerationRequest
-from services.convert import FINISH_TO_PB, sampling_from_pb
-from services.dispatch import Dispatcher
-from services.request_stream import Delta, Finished, RequestStream
-from services.status import abort_with, as_serving_error, grpc_code
+from rpc.convert import FINISH_TO_PB, sampling_from_pb
+from rpc.errors import as_serving_error, error_to_pb
+from rpc.servicer import Undecodable
+from services.gateway.admission import GenerationRequest
+from services.gateway.dispatch import Dispatcher
+from services.gateway.request_stream import Delta, Finished, RequestStream
 
 log = logging.getLogger(__name__)
 
 SESSION_OUTBOX = 64  # responses a Session buffers for its client before its requests' streams back up
-
-
-@dataclass(frozen=True, slots=True)
-class UndecodableRequest:
-    """A request message protobuf refused, in place of the message: its handler answers INVALID_ARGUMENT."""
-
-    error: InvalidRequest
-    request_id: str = ""  # when it could still be read (a Session answers that request alone)
 
 
 def _strings_as_bytes(message: descriptor_pb2.DescriptorProto) -> None:
@@ -80,19 +75,19 @@ def _bad_strings(twin: Message, real: Descriptor, path: str = "") -> Iterator[tu
                 yield from _bad_strings(v, spec.message_type, name + ".")
 
 
-def _undecodable(cls: type[Message], data: bytes, error: DecodeError) -> UndecodableRequest:
+def _undecodable(cls: type[Message], data: bytes, error: DecodeError) -> Undecodable:
     name = cls.DESCRIPTOR.full_name
     try:
         twin = message_factory.GetMessageClass(_TWINS.FindMessageTypeByName(name)).FromString(data)
     except DecodeError:
-        return UndecodableRequest(InvalidRequest(f"the request is not a valid {name} message: {error}"))
+        return Undecodable(InvalidRequest(f"the request is not a valid {name} message: {error}"))
     bad = list(_bad_strings(twin, cls.DESCRIPTOR))
     if not bad:
-        return UndecodableRequest(InvalidRequest(f"the request is not a valid {name} message: {error}"))
+        return Undecodable(InvalidRequest(f"the request is not a valid {name} message: {error}"))
     field, e = bad[0]
     message = (f"{field} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); protobuf "
                "strings must be UTF-8 text (send token ids as prompt_token_ids)")
-    return UndecodableRequest(InvalidRequest(message), _request_id(twin))
+    return Undecodable(InvalidRequest(message), _request_id(twin))
 
 
 def _request_id(twin: Message) -> str:
@@ -108,35 +103,14 @@ def _request_id(twin: Message) -> str:
 
 
 def lenient_deserializer(cls: type[Message]) -> Callable[[bytes], Any]:
-    """``cls.FromString``, but a message protobuf refuses becomes an `UndecodableRequest`."""
-    def deserialize(data: bytes) -> Message | UndecodableRequest:
+    """``cls.FromString``, but a message protobuf refuses becomes an `Undecodable`."""
+    def deserialize(data: bytes) -> Message | Undecodable:
         try:
             return cls.FromString(data)
         except DecodeError as e:
             return _undecodable(cls, data, e)
 
     return deserialize
-
-
-def add_gateway_servicer(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
-    """`add_GatewayServicer_to_server` with lenient request deserializers."""
-    handlers = {
-        "Session": grpc.stream_stream_rpc_method_handler(
-            servicer.Session, request_deserializer=lenient_deserializer(gateway_pb2.SessionRequest),
-            response_serializer=gateway_pb2.SessionResponse.SerializeToString),
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=lenient_deserializer(gateway_pb2.GenerateRequest),
-            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
-        "Cancel": grpc.unary_unary_rpc_method_handler(
-            servicer.Cancel, request_deserializer=lenient_deserializer(gateway_pb2.CancelRequest),
-            response_serializer=gateway_pb2.CancelResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels, request_deserializer=gateway_pb2.ListModelsRequest.FromString,
-            response_serializer=gateway_pb2.ListModelsResponse.SerializeToString),
-    }
-    service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
 
 
 def api_key_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
@@ -179,7 +153,7 @@ def delta_to_pb(delta: Delta) -> common_pb2.TokenDelta:
 def completion_to_pb(finished: Finished) -> gateway_pb2.Completion:
     u, t = finished.usage, finished.timings
     return gateway_pb2.Completion(
-        finish_reason=FINISH_TO_PB.get(finished.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+        finish_reason=FINISH_TO_PB[finished.finish_reason],
         usage=common_pb2.Usage(
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
         ),
@@ -189,13 +163,6 @@ def completion_to_pb(finished: Finished) -> gateway_pb2.Completion:
         ),
         stop_reason=finished.stop_reason,
     )
-
-
-def error_to_pb(error: ServingError) -> common_pb2.RequestError:
-    msg = common_pb2.RequestError(code=grpc_code(error).value[0], message=error.message)
-    if isinstance(error, CapacityExceeded):
-        msg.retry_after_s = error.retry_after_s
-    return msg
 
 
 def cancel_reason(context: grpc.aio.ServicerContext) -> str:
@@ -225,10 +192,10 @@ class GatewaySession:
         self._reading = True
         self._closed = False
 
-    async def read(self, requests: AsyncIterator[gateway_pb2.SessionRequest | UndecodableRequest]) -> None:
+    async def read(self, requests: AsyncIterator[gateway_pb2.SessionRequest | Undecodable]) -> None:
         try:
             async for msg in requests:
-                if isinstance(msg, UndecodableRequest):  # that request alone fails; the session goes on
+                if isinstance(msg, Undecodable):  # that request alone fails; the session goes on
                     await self._send_error(msg.request_id, msg.error)
                     continue
                 action = msg.WhichOneof("action")
@@ -307,7 +274,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._max_session_requests = max_session_requests
 
     async def Session(  # noqa: N802 (gRPC method names)
-        self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest | UndecodableRequest],
+        self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest | Undecodable],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.SessionResponse]:
         session = GatewaySession(self._dispatcher, self._max_session_requests, context.time_remaining,
@@ -321,16 +288,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             session.close(cancel_reason(context))
 
     async def Generate(  # noqa: N802
-        self, request: gateway_pb2.GenerateRequest | UndecodableRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        try:
-            if isinstance(request, UndecodableRequest):
-                raise request.error
-            key = api_key_from_metadata(context.invocation_metadata())
-            stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining(), key))
-        except ServingError as e:
-            await abort_with(context, e)
-            return
+        key = api_key_from_metadata(context.invocation_metadata())  # (an Undecodable never gets here)
+        stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining(), key))
         rid = stream.request_id
         try:
             async for event in stream:
@@ -338,17 +299,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.GenerateResponse(request_id=rid, delta=delta_to_pb(event))
                 else:
                     yield gateway_pb2.GenerateResponse(request_id=rid, completion=completion_to_pb(event))
-        except ServingError as e:
-            await abort_with(context, e)
         finally:
             stream.cancel(cancel_reason(context))  # a no-op when it has ended
 
     async def Cancel(  # noqa: N802
-        self, request: gateway_pb2.CancelRequest | UndecodableRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CancelResponse:
-        if isinstance(request, UndecodableRequest):
-            await abort_with(context, request.error)
-            raise AssertionError("unreachable: abort raises")
         return gateway_pb2.CancelResponse(found=self._dispatcher.cancel(request.request_id, "cancel_rpc"))
 
     async def ListModels(  # noqa: N802

@@ -20,9 +20,10 @@ from typing import Any
 from aiohttp import web
 
 from core.errors import CapacityExceeded, InvalidRequest, ServingError
-from services import metrics
-from services.dispatch import Dispatcher
-from services.openai_api import (
+from rpc.errors import as_serving_error
+from services.gateway import metrics
+from services.gateway.dispatch import Dispatcher
+from services.gateway.openai_api import (
     OpenAICall,
     chunk_json,
     error_json,
@@ -31,8 +32,7 @@ from services.openai_api import (
     response_json,
     usage_chunk_json,
 )
-from services.request_stream import Delta, Finished, RequestStream
-from services.status import as_serving_error
+from services.gateway.request_stream import Delta, Finished, RequestStream
 
 log = logging.getLogger(__name__)
 

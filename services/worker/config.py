@@ -91,7 +91,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.metrics_port < 0:
         args.metrics_port = None
     config = WorkerConfig(**{k: v for k, v in vars(args).items() if k in names})
-    from services.worker import serve_until_signal
+    from services.worker.server import serve_until_signal
 
     asyncio.run(serve_until_signal(config))
     return 0

@@ -11,36 +11,22 @@ from collections.abc import Iterable
 import grpc
 
 from baton.v1 import worker_pb2, worker_pb2_grpc
-from core.errors import CapacityExceeded, KVTransferFailed, ServingError, Unavailable
-from services.placement import CHANNEL_OPTIONS
-from services.status import RETRY_AFTER_KEY, from_rpc_error
+from core.errors import ServingError, Unavailable, WorkerLost
+from rpc.errors import from_rpc_error
+from services.gateway.router import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
 
 
-class WorkerLost(Unavailable):
-    """A worker call failed with UNAVAILABLE outside a KV transfer: the worker died, cannot be reached
-    or is shutting down. The request may go on on another worker."""
-
-    def __init__(self, message: str, address: str) -> None:
-        super().__init__(message)
-        self.address = address
-
-
 def worker_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
-    """A worker call's failure as the ServingError the client sees (keeps the worker's retry-after)."""
+    """A worker call's failure as the ServingError the client sees: the worker's own error as it raised
+    it (rpc.errors); a worker that is unavailable (unreachable, dying, shutting down) as `WorkerLost`,
+    which the gateway may retry elsewhere."""
     err = from_rpc_error(e, address)
-    if e.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(err, KVTransferFailed):
-        return WorkerLost(f"worker {address} is unavailable: {e.details() or 'no details'}", address)
-    if isinstance(err, CapacityExceeded):
-        for key, value in e.trailing_metadata() or ():
-            if key == RETRY_AFTER_KEY:
-                try:
-                    err.retry_after_s = float(value)
-                except ValueError:
-                    log.warning("worker %s sent a malformed retry-after %r", address, value)
+    if type(err) is Unavailable:
+        return WorkerLost(f"worker {address} is unavailable: {err.message}", address)
     return err
 
 

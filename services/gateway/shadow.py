@@ -43,10 +43,10 @@ import grpc
 from baton.v1 import worker_pb2
 from core.errors import ServingError
 from core.sampling_params import MAX_LOGPROBS, SamplingParams
-from services import metrics
-from services.convert import sampling_to_pb
-from services.placement import ShadowReport
-from services.worker_clients import WorkerClients, worker_error
+from rpc.convert import sampling_to_pb
+from services.gateway import metrics
+from services.gateway.router import ShadowReport
+from services.gateway.worker_clients import WorkerClients, worker_error
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """`Dispatcher`: the gateway's request path, one for gRPC Session, gRPC Generate and HTTP alike.
 
-accept (request id) → validate and tokenize (`services.admission`, off the event loop) → route (the
+accept (request id) → validate and tokenize (`services.gateway.admission`, off the event loop) → route (the
 scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode on D,
 streaming; or Decode on D alone. A route that names a shadow worker mirrors the request there in the
-background (`services.shadow`); the primary then asks its workers for the top logprobs the comparison
+background (`services.gateway.shadow`); the primary then asks its workers for the top logprobs the comparison
 needs, and hands its client only those the client asked for. A worker that fails is left behind and the request routed again
 without it, going on from the tokens the client already has: a prefill is retried elsewhere, a failed
 KV transfer gets one fresh prefill, a decode that dies mid-stream migrates (the new worker recomputes
@@ -12,7 +12,7 @@ in its own driver task; cancelling it (client cancel, Cancel RPC, Session cancel
 slow reader) cancels the worker calls at once, so the workers drop the request at their next step and
 free its blocks, and publishes the cancel on the scheduler's cancellation bus.
 
-Metrics (`services.metrics`): every request is counted when it ends; a completed one's TTFT, end-to-end
+Metrics (`services.gateway.metrics`): every request is counted when it ends; a completed one's TTFT, end-to-end
 time and segments (its own `Timings`, so they add up to at most its end-to-end time) are observed then,
 the inter-token gaps as its tokens are handed to the client's stream.
 """
@@ -30,16 +30,24 @@ import grpc
 from prometheus_client import Histogram
 
 from baton.v1 import common_pb2, worker_pb2
-from core.errors import InvalidRequest, KVTransferFailed, ServingError, Unavailable
+from core.errors import InvalidRequest, KVTransferFailed, ServingError, Unavailable, WorkerLost
+from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from scheduler.metrics import NONE, BoundedLabel
-from services import metrics
-from services.admission import GenerationRequest, Limits, ModelInfo, RequestValidator, request_id_problem
-from services.convert import FINISH_FROM_PB, sampling_to_pb
-from services.placement import LeaseEvent, LeaseReport, Route, RouteQuery, Router
-from services.request_stream import Delta, Finished, RequestStream, Timings, TokenLogprob, Usage
-from services.shadow import (
+from rpc.convert import FINISH_FROM_PB, sampling_to_pb
+from rpc.errors import as_serving_error
+from rpc.metrics import NONE, BoundedLabel
+from services.gateway import metrics
+from services.gateway.admission import (
+    GenerationRequest,
+    Limits,
+    ModelInfo,
+    RequestValidator,
+    request_id_problem,
+)
+from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, TokenLogprob, Usage
+from services.gateway.router import LeaseEvent, LeaseReport, Route, RouteQuery, Router
+from services.gateway.shadow import (
     PrimaryResult,
     ShadowRequest,
     ShadowRun,
@@ -47,8 +55,7 @@ from services.shadow import (
     TopLogprobs,
     with_top_logprobs,
 )
-from services.status import as_serving_error
-from services.worker_clients import WorkerClients, WorkerLost, worker_error
+from services.gateway.worker_clients import WorkerClients, worker_error
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +213,7 @@ class Dispatcher:
             self._count(stream, job, request.api, outcome, reason)
 
     def _count(self, stream: RequestStream, job: _Job | None, api: str, outcome: str, reason: str) -> None:
-        """The metrics of a request that ended (see `services.metrics`)."""
+        """The metrics of a request that ended (see `services.gateway.metrics`)."""
         placed = job is not None and job.route is not None
         model, version, tenant = job.labels if job is not None and placed else (self.model.name, NONE, NONE)
         if outcome == "ok":
@@ -240,7 +247,7 @@ class Dispatcher:
                 job.aborts.append(published)
         if stream.ended:  # the slow-reader error was already set
             return "RESOURCE_EXHAUSTED"
-        stream.finish(self._finished(stream, job, "cancelled", stream.num_tokens))
+        stream.finish(self._finished(stream, job, FinishReason.CANCELLED, stream.num_tokens))
         return "cancelled"
 
     @staticmethod
@@ -275,7 +282,7 @@ class Dispatcher:
                 log.warning("request %s: %s failed on %s after %d tokens (%s); routing again without it",
                             job.request_id, job.stage, job.failed[-1], len(job.sent_ids), e.message)
             if len(job.sent_ids) >= job.params.max_tokens:  # the last token arrived, its finish did not
-                stream.finish(self._finished(stream, job, "length", len(job.sent_ids)))
+                stream.finish(self._finished(stream, job, FinishReason.LENGTH, len(job.sent_ids)))
                 return
             route = await self._route(job)
 
@@ -365,7 +372,7 @@ class Dispatcher:
         if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or not response.HasField("handle"):
             if response.HasField("handle"):
                 job.abort_on(self.workers, address)
-            reason = FINISH_FROM_PB.get(response.finish_reason, "stop")
+            reason = FINISH_FROM_PB.get(response.finish_reason, FinishReason.STOP)
             stream.finish(self._finished(stream, job, reason, max(1, response.usage.completion_tokens),
                                          response.stop_reason))
             return None
@@ -436,7 +443,7 @@ class Dispatcher:
         job.prefill_ms += last.prefill_ms
         if handle is None and not resumed:
             job.cached_tokens = last.usage.cached_tokens
-        reason = FINISH_FROM_PB.get(last.finish_reason, "stop")
+        reason = FINISH_FROM_PB.get(last.finish_reason, FinishReason.STOP)
         stream.finish(self._finished(stream, job, reason, last.usage.completion_tokens or stream.num_tokens,
                                      last.stop_reason))
 
@@ -453,7 +460,7 @@ class Dispatcher:
                 job.itl.observe(now - job.last_token_at)
             job.last_token_at = now
 
-    def _finished(self, stream: RequestStream, job: _Job | None, reason: str, completion_tokens: int,
+    def _finished(self, stream: RequestStream, job: _Job | None, reason: FinishReason, completion_tokens: int,
                   stop_reason: str = "") -> Finished:
         now = time.perf_counter()
         e2e_s = now - stream.accepted_at

@@ -1,7 +1,7 @@
 """`RequestStream`: one request's output on its way to one client — token deltas, then a `Finished` or
 an error — with bounded buffering, so that a client that does not read fails alone.
 
-The request's driver (in `services.dispatch`) pushes without ever waiting; the client's frontend
+The request's driver (in `services.gateway.dispatch`) pushes without ever waiting; the client's frontend
 (gRPC Session/Generate, HTTP) iterates. Deltas that pile up while the client is slow are merged into
 one; past ``max_buffered_tokens`` the request fails with RESOURCE_EXHAUSTED and its driver is
 cancelled, which cancels the worker calls and frees the request's KV blocks. The stream also measures
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from core.errors import CapacityExceeded, ServingError
+from core.outputs import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ class Timings:
 class Finished:
     """The last event of a request that ended normally or was cancelled."""
 
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: FinishReason
     usage: Usage
     timings: Timings
     stop_reason: str = ""

@@ -8,6 +8,7 @@ from typing import Any
 
 from baton.v1 import common_pb2 as pb
 from core.errors import InvalidRequest
+from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
 
@@ -17,18 +18,11 @@ _OPTIONAL_SCALARS = (
 )
 
 FINISH_TO_PB = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_CANCELLED,
-    "cancelled": pb.FINISH_REASON_CANCELLED,
-    "error": pb.FINISH_REASON_ERROR,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-FINISH_FROM_PB = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_CANCELLED: "cancelled",
-    pb.FINISH_REASON_ERROR: "error",
-}
+FINISH_FROM_PB = {**{v: k for k, v in FINISH_TO_PB.items()}, pb.FINISH_REASON_ERROR: FinishReason.CANCELLED}
 
 
 def sampling_from_pb(msg: pb.SamplingParams, **overrides: Any) -> SamplingParams:
@@ -83,7 +77,7 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
 
 
 def delta_to_pb(token_ids: Sequence[int], text: str, logprobs: Sequence[Any] | None = None) -> pb.TokenDelta:
-    """``logprobs``: engine.sampler.TokenLogprobs (or None entries) per token."""
+    """``logprobs``: core.outputs.TokenLogprobs (or None entries) per token."""
     msg = pb.TokenDelta(token_ids=list(token_ids), text=text)
     for lp in logprobs or ():
         if lp is not None:

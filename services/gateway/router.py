@@ -23,15 +23,11 @@ import grpc
 
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from core.errors import (
-    CapacityExceeded,
-    InvalidRequest,
-    ModelNotFound,
     ServingError,
-    Unauthenticated,
     Unavailable,
 )
 from core.expiry import Expired, expire_later
-from services.status import RETRY_AFTER_KEY
+from rpc.errors import error_from_pb, from_rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +92,7 @@ class LeaseReport:
 
 @dataclass(frozen=True, slots=True)
 class ShadowReport:
-    """One shadowed request compared with what its client got (services.shadow), for the version
+    """One shadowed request compared with what its client got (services.gateway.shadow), for the version
     pair's sums in the scheduler (`baton models list`)."""
 
     model: str
@@ -183,36 +179,19 @@ def _next_allowed(cycle: itertools.cycle[str], n: int, exclude: Sequence[str]) -
 
 
 def scheduler_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
-    """A failed unary scheduler call as the error the client sees (see `status_error`)."""
-    retry_after: float | None = None
-    for key, value in e.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                retry_after = float(value)
-            except ValueError:
-                log.warning("scheduler %s sent a malformed retry-after %r", address, value)
-    return status_error(e.code(), e.details() or e.code().name, retry_after, address)
+    """A failed unary scheduler call as the error the client sees (see `as_seen`)."""
+    return as_seen(from_rpc_error(e, address), address)
 
 
-def status_error(code: grpc.StatusCode, details: str, retry_after_s: float | None, address: str) -> ServingError:
-    """A scheduler status as the error the client sees: the scheduler's own (401, 404, 429 with its
-    retry-after, 400) or, for anything else, UNAVAILABLE saying the scheduler failed."""
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return Unauthenticated(details)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return ModelNotFound(details)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return CapacityExceeded(details, retry_after_s=1.0 if retry_after_s is None else retry_after_s)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return Unavailable(f"cannot place the request now: {details} (scheduler {address})")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Unavailable(f"the scheduler {address} did not answer in time")
-    return Unavailable(f"the scheduler {address} failed: {code.name}: {details}")
-
-
-_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
+def as_seen(error: ServingError, address: str) -> ServingError:
+    """A scheduler's error as the client sees it: the scheduler's own refusal as it is (401, 404, 429
+    with its retry-after, 400); a scheduler that cannot be reached, is unavailable or failed, as
+    UNAVAILABLE naming it."""
+    if isinstance(error, Unavailable):
+        return Unavailable(f"cannot place the request now: {error.message} (scheduler {address})")
+    if type(error) is ServingError:
+        return Unavailable(f"the scheduler {address} failed: {error.message}")
+    return error
 
 
 Undo = Callable[[Any], object]
@@ -258,9 +237,7 @@ class CallStream:
             timer.cancel()
         kind = answer.WhichOneof("reply")
         if kind == "error":
-            err = answer.error
-            raise status_error(_STATUS_BY_NUMBER.get(err.code, grpc.StatusCode.UNKNOWN), err.message,
-                               err.retry_after_s if err.HasField("retry_after_s") else None, self.address)
+            raise as_seen(error_from_pb(answer.error), self.address)
         return getattr(answer, kind)
 
     def _open(self) -> asyncio.Queue[scheduler_pb2.SchedulerCall | None]:
