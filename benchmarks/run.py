@@ -36,19 +36,32 @@ def log(message: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated sections to run (default: all = {','.join(SECTIONS)})")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run (default: all = {','.join(SECTIONS)})",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test of the harness")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per benchmark process (default: min(2, available cores))")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"the Markdown file to update (default: {DEFAULT_PATH.relative_to(DEFAULT_PATH.parents[1])}; "
-                        "with --quick the default is to print the sections and write nothing)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per benchmark process (default: min(2, available cores))",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"the Markdown file to update (default: {DEFAULT_PATH.relative_to(DEFAULT_PATH.parents[1])}; "
+        "with --quick the default is to print the sections and write nothing)",
+    )
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown or not args.sections:
-        p.error(f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}")
+        p.error(
+            f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}"
+        )
     if args.out is None and not args.quick:
         args.out = DEFAULT_PATH
     return args

@@ -63,8 +63,9 @@ class Trace:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
-async def generate(stub: Any, spec: RequestSpec, request_id: str,
-                   metadata: tuple[tuple[str, str], ...] = ()) -> Trace:
+async def generate(
+    stub: Any, spec: RequestSpec, request_id: str, metadata: tuple[tuple[str, str], ...] = ()
+) -> Trace:
     """One streamed ``Gateway.Generate`` call (or, with a ``Worker`` stub, ``Worker.Decode`` without a
     handle: the worker prefills locally); errors are recorded in the trace, never raised. ``metadata``
     goes with the call (an API key)."""
@@ -74,13 +75,23 @@ async def generate(stub: Any, spec: RequestSpec, request_id: str,
 
     sampling = common_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     if isinstance(stub, worker_pb2_grpc.WorkerStub):
-        call = stub.Decode(worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=spec.prompt_ids,
-                                                    sampling=sampling), timeout=REQUEST_TIMEOUT_S,
-                            metadata=metadata)
+        call = stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling
+            ),
+            timeout=REQUEST_TIMEOUT_S,
+            metadata=metadata,
+        )
     else:
-        call = stub.Generate(gateway_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=gateway_pb2.TokenIds(ids=spec.prompt_ids), sampling=sampling),
-            timeout=REQUEST_TIMEOUT_S, metadata=metadata)
+        call = stub.Generate(
+            gateway_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=gateway_pb2.TokenIds(ids=spec.prompt_ids),
+                sampling=sampling,
+            ),
+            timeout=REQUEST_TIMEOUT_S,
+            metadata=metadata,
+        )
     trace = Trace(spec.name, spec.kind, sent_at=time.perf_counter())
     try:
         async for msg in call:
@@ -101,13 +112,22 @@ def _note(trace: Trace, msg: Any, now: float) -> None:
     if hasattr(msg, "completion"):
         if msg.HasField("completion"):
             timings = msg.completion.timings
-            trace.done_at, trace.server_ttft_ms, trace.server_queue_ms = now, timings.ttft_ms, timings.queue_ms
+            trace.done_at, trace.server_ttft_ms, trace.server_queue_ms = (
+                now,
+                timings.ttft_ms,
+                timings.queue_ms,
+            )
     elif msg.finish_reason:
         trace.done_at = now
 
 
-async def drive(address: str, tag: str, slots: Sequence[Sequence[RequestSpec]],
-                late: Sequence[RequestSpec] = (), worker: bool = False) -> list[Trace]:
+async def drive(
+    address: str,
+    tag: str,
+    slots: Sequence[Sequence[RequestSpec]],
+    late: Sequence[RequestSpec] = (),
+    worker: bool = False,
+) -> list[Trace]:
     """Each slot sends its requests one after another; each late request is sent at its ``start_s``.
     To a gateway's ``Generate``, or with ``worker`` straight to a worker's ``Decode``."""
     import grpc
@@ -151,8 +171,14 @@ def spawn(argv: list[str], cores: tuple[int, ...] | None, log_path: Path) -> sub
             libc.prctl(1, signal.SIGTERM)
 
     with open(log_path, "wb") as out:
-        return subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=in_child)
+        return subprocess.Popen(
+            argv,
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=in_child,
+        )
 
 
 def pinned(argv: Sequence[str], cores: tuple[int, ...] | None) -> str:
@@ -171,7 +197,9 @@ def wait_serving(name: str, proc: subprocess.Popen[bytes], address: str, log_pat
     while not is_serving(address):
         if proc.poll() is not None or time.monotonic() > deadline:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            state = f"exited with code {proc.returncode}" if proc.poll() is not None else "not serving in time"
+            state = (
+                f"exited with code {proc.returncode}" if proc.poll() is not None else "not serving in time"
+            )
             raise RuntimeError(f"the {name} {state}:\n{tail}")
         time.sleep(0.2)
 
@@ -233,7 +261,9 @@ def wait_quiet(pids: Sequence[int], max_wait_s: float, log: Callable[[str], None
                 log(f"other processes still use {pct:.0f}% of the CPU after {waited:.0f} s; measuring anyway")
             return pct
         if waited < 1.5:
-            log(f"other processes use {pct:.0f}% of the CPU; waiting up to {max_wait_s:.0f} s for a quiet moment")
+            log(
+                f"other processes use {pct:.0f}% of the CPU; waiting up to {max_wait_s:.0f} s for a quiet moment"
+            )
 
 
 # ------------------------------------------------------------------ statistics

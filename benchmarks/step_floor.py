@@ -109,13 +109,17 @@ def _decode_steps_ms(engine: Any, prompt_lens: list[int], num_steps: int, seed: 
         done = [o.request_id for o in engine.step() if o.finished]
         times.append(time.perf_counter() - t0)
         if done:
-            raise RuntimeError(f"{done[0]} finished before the timed steps did: they must time the whole batch")
+            raise RuntimeError(
+                f"{done[0]} finished before the timed steps did: they must time the whole batch"
+            )
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished:
         engine.step()
     times.sort()
-    return 1e3 * sum(times[: len(times) // 2 + 1]) / (len(times) // 2 + 1)  # the faster half: noise is one-sided
+    return (
+        1e3 * sum(times[: len(times) // 2 + 1]) / (len(times) // 2 + 1)
+    )  # the faster half: noise is one-sided
 
 
 def _rss_mib() -> float | None:
@@ -134,8 +138,15 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
     r = FloorResult(precision)
     # No cap on prompt tokens beside decodes: the timed steps are decode steps of every request together,
     # and the cap would hold the 2k prompt back while the short ones decode (and finish).
-    llm = LLM(model=None, dtype=dtype_name, quantization=quantization, kv_cache_memory=512 << 20,
-              max_num_seqs=64, num_threads=num_threads, mixed_prefill_tokens=0)
+    llm = LLM(
+        model=None,
+        dtype=dtype_name,
+        quantization=quantization,
+        kv_cache_memory=512 << 20,
+        max_num_seqs=64,
+        num_threads=num_threads,
+        mixed_prefill_tokens=0,
+    )
     engine, model = llm.engine, llm.engine.runner.model
     kv_mib = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() / 2**20
     rss = _rss_mib()
@@ -174,7 +185,9 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------ the parent: one run, side by side
-def run_all(threads: int, steps: int, timeout_s: float, log: Callable[[str], None]) -> tuple[dict[str, FloorResult], str]:
+def run_all(
+    threads: int, steps: int, timeout_s: float, log: Callable[[str], None]
+) -> tuple[dict[str, FloorResult], str]:
     """Each precision in a fresh process, one after another; returns the results and the command pattern."""
     import subprocess
     import tempfile
@@ -186,16 +199,35 @@ def run_all(threads: int, steps: int, timeout_s: float, log: Callable[[str], Non
         log(f"[engine] step floor: {precision}")
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "floor.json"
-            args = ["-m", "benchmarks.step_floor", "--precision", precision, "--threads", str(threads),
-                    "--steps", str(steps), "--out", str(out)]
+            args = [
+                "-m",
+                "benchmarks.step_floor",
+                "--precision",
+                precision,
+                "--threads",
+                str(threads),
+                "--steps",
+                str(steps),
+                "--out",
+                str(out),
+            ]
             try:
-                subprocess.run([sys.executable, *args], cwd=REPO_ROOT, stdout=sys.stderr, stderr=sys.stderr,
-                               timeout=timeout_s, check=False)
+                subprocess.run(
+                    [sys.executable, *args],
+                    cwd=REPO_ROOT,
+                    stdout=sys.stderr,
+                    stderr=sys.stderr,
+                    timeout=timeout_s,
+                    check=False,
+                )
             except subprocess.TimeoutExpired:
                 results[precision] = FloorResult(precision, error=f"timed out after {timeout_s:.0f} s")
                 continue
-            results[precision] = (FloorResult(**json.loads(out.read_text())) if out.exists()
-                                  else FloorResult(precision, error="no result"))
+            results[precision] = (
+                FloorResult(**json.loads(out.read_text()))
+                if out.exists()
+                else FloorResult(precision, error="no result")
+            )
     return results, f"python -m benchmarks.step_floor --precision P --threads {threads} --steps {steps}"
 
 
@@ -210,30 +242,62 @@ def render(results: dict[str, FloorResult], command: str) -> str:
         for b in map(str, BATCHES):
             ratio = r.step_ms[b] / r.floor_ms[b]
             own, plain = r.own_gemm_ms[b], r.f_linear_ms.get(b)
-            rows.append([name, r.dtype, b, f"{r.step_ms[b]:.1f}", f"{own:.1f}", "—" if plain is None else f"{plain:.1f}",
-                         f"{r.floor_ms[b]:.1f}", f"**{ratio:.2f}**", f"{r.rss_mib or 0:.0f} / {r.weight_mib or 0:.0f}",
-                         "yes" if r.kernels else "no"])
+            rows.append(
+                [
+                    name,
+                    r.dtype,
+                    b,
+                    f"{r.step_ms[b]:.1f}",
+                    f"{own:.1f}",
+                    "—" if plain is None else f"{plain:.1f}",
+                    f"{r.floor_ms[b]:.1f}",
+                    f"**{ratio:.2f}**",
+                    f"{r.rss_mib or 0:.0f} / {r.weight_mib or 0:.0f}",
+                    "yes" if r.kernels else "no",
+                ]
+            )
             goals.append(f"{name} batch {b}: {ratio:.2f} ({'met' if ratio <= 1.3 else 'not met'})")
-    long = [f"{n}: {r.with_long_ms / r.short_ms:.2f}x ({r.short_ms:.1f} → {r.with_long_ms:.1f} ms)"
-            for n, r in results.items() if not r.error and r.short_ms and r.with_long_ms]
-    return "\n".join([
-        "### A decode step against its floor (the same step's weight GEMMs alone)",
-        "",
-        f"Command: `{command}` (P = " + ", ".join(PRECISIONS) + f"). Each precision in its own process: {PROMPT_LEN}-token "
-        "prompts decoding; *step*: the faster half of 24 engine steps (scheduling, sampling and "
-        "detokenizing included); *own GEMMs*: one step's products through the model's own projection "
-        "modules (the kernels the engine calls) on random activations of the batch's rows, fastest of 15 rounds; "
-        "*F.linear*: the same products with `F.linear` on plain weights of the same dtype; *floor*: the "
-        "faster of the two, so that a slow GEMM path cannot make the ratio look good. *RSS / weights*: the "
-        "process's resident memory after loading, less its KV cache (MiB), and the bytes of the model's weights "
-        "and buffers (bf16 keeps a plain embedding for the lookup beside the packed logits head; int8 keeps "
-        "its logits head and embedding in bf16).",
-        "",
-        table(["precision", "dtype", "batch", "step ms", "own GEMMs ms", "F.linear ms", "floor ms", "step ÷ floor",
-               "RSS less KV / weights MiB", "C++ kernels"], rows, "llrrrrrrrl"),
-        "Goal step ÷ floor <= 1.3: " + "; ".join(goals) + ".",
-        "",
-        "15 short requests (128-token prompts) decoding, alone and with one request at "
-        f"{LONG_CONTEXT} tokens of context in the batch (goal <= 1.2x): " + "; ".join(long) + ".",
-        "",
-    ])
+    long = [
+        f"{n}: {r.with_long_ms / r.short_ms:.2f}x ({r.short_ms:.1f} → {r.with_long_ms:.1f} ms)"
+        for n, r in results.items()
+        if not r.error and r.short_ms and r.with_long_ms
+    ]
+    return "\n".join(
+        [
+            "### A decode step against its floor (the same step's weight GEMMs alone)",
+            "",
+            f"Command: `{command}` (P = "
+            + ", ".join(PRECISIONS)
+            + f"). Each precision in its own process: {PROMPT_LEN}-token "
+            "prompts decoding; *step*: the faster half of 24 engine steps (scheduling, sampling and "
+            "detokenizing included); *own GEMMs*: one step's products through the model's own projection "
+            "modules (the kernels the engine calls) on random activations of the batch's rows, fastest of 15 rounds; "
+            "*F.linear*: the same products with `F.linear` on plain weights of the same dtype; *floor*: the "
+            "faster of the two, so that a slow GEMM path cannot make the ratio look good. *RSS / weights*: the "
+            "process's resident memory after loading, less its KV cache (MiB), and the bytes of the model's weights "
+            "and buffers (bf16 keeps a plain embedding for the lookup beside the packed logits head; int8 keeps "
+            "its logits head and embedding in bf16).",
+            "",
+            table(
+                [
+                    "precision",
+                    "dtype",
+                    "batch",
+                    "step ms",
+                    "own GEMMs ms",
+                    "F.linear ms",
+                    "floor ms",
+                    "step ÷ floor",
+                    "RSS less KV / weights MiB",
+                    "C++ kernels",
+                ],
+                rows,
+                "llrrrrrrrl",
+            ),
+            "Goal step ÷ floor <= 1.3: " + "; ".join(goals) + ".",
+            "",
+            "15 short requests (128-token prompts) decoding, alone and with one request at "
+            f"{LONG_CONTEXT} tokens of context in the batch (goal <= 1.2x): " + "; ".join(long) + ".",
+            "",
+        ]
+    )

@@ -23,8 +23,7 @@ def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int
     """``num_prompts`` prompts of ``prompt_len`` token ids drawn with ``random.Random(seed)``."""
     rng = random.Random(seed)
     return [
-        [rng.randrange(_FIRST_PLAIN_ID, vocab_size) for _ in range(prompt_len)]
-        for _ in range(num_prompts)
+        [rng.randrange(_FIRST_PLAIN_ID, vocab_size) for _ in range(prompt_len)] for _ in range(num_prompts)
     ]
 
 
@@ -44,8 +43,14 @@ CAT_SCHED = "scheduler (schedule + update)"
 CAT_POST = "postprocess (detokenize, outputs)"
 CAT_OTHER = "other Python (step / execute glue)"
 _MODULE_CATEGORIES = {
-    "Linear": CAT_LINEAR, "RMSNorm": CAT_NORM, "RotaryEmbedding": CAT_ROPE, "MLP": CAT_ACT,
-    "Attention": CAT_LAYER, "DecoderLayer": CAT_LAYER, "LlamaForCausalLM": CAT_STACK, "Embedding": CAT_EMBED,
+    "Linear": CAT_LINEAR,
+    "RMSNorm": CAT_NORM,
+    "RotaryEmbedding": CAT_ROPE,
+    "MLP": CAT_ACT,
+    "Attention": CAT_LAYER,
+    "DecoderLayer": CAT_LAYER,
+    "LlamaForCausalLM": CAT_STACK,
+    "Embedding": CAT_EMBED,
 }
 
 
@@ -77,7 +82,11 @@ def profile_engine_step(
 
 
 def measure_step_breakdown(
-    llm: Any, num_steps: int = 20, batch_size: int = 16, prompt_len: int = 128, seed: int = 0,
+    llm: Any,
+    num_steps: int = 20,
+    batch_size: int = 16,
+    prompt_len: int = 128,
+    seed: int = 0,
     profiler_steps: int = 5,
 ) -> StepBreakdown:
     """Prefills ``batch_size`` requests (untimed); times ``num_steps`` plain decode steps (half before,
@@ -101,8 +110,9 @@ def measure_step_breakdown(
         plain_s += _time_steps(engine, num_steps - num_steps // 2)  # before and after: drift averages out
         top = _top_ops(engine, profiler_steps) if profiler_steps else []
     cats = sorted(((c, s * 1e3 / num_steps) for c, s in timers.totals.items()), key=lambda c: -c[1])
-    return StepBreakdown(batch_size, num_steps, plain_s * 1e3 / num_steps, sum(ms for _, ms in cats), cats, top,
-                         timers.untimed)
+    return StepBreakdown(
+        batch_size, num_steps, plain_s * 1e3 / num_steps, sum(ms for _, ms in cats), cats, top, timers.untimed
+    )
 
 
 def _time_steps(engine: Any, num_steps: int) -> float:
@@ -113,7 +123,9 @@ def _time_steps(engine: Any, num_steps: int) -> float:
 
 
 @contextmanager
-def _decoding_batch(engine: Any, batch_size: int, prompt_len: int, max_tokens: int, seed: int) -> Iterator[None]:
+def _decoding_batch(
+    engine: Any, batch_size: int, prompt_len: int, max_tokens: int, seed: int
+) -> Iterator[None]:
     """``batch_size`` requests past their prefill for the block's duration; aborted afterwards."""
     from core.sampling_params import SamplingParams
 
@@ -169,12 +181,19 @@ def _instrument(llm_engine: Any, timers: _ExclusiveTimers) -> list[Callable[[], 
     model = getattr(runner, "model", None)
     scheduler = getattr(llm_engine, "scheduler", None)
     targets: list[tuple[Any, str, str]] = [
-        (llm_engine, "step", CAT_OTHER), (runner, "execute", CAT_OTHER),
-        (scheduler, "schedule", CAT_SCHED), (scheduler, "update", CAT_SCHED),
-        (llm_engine, "_postprocess", CAT_POST), (runner, "_prepare", CAT_PREP), (runner, "sampler", CAT_SAMPLER),
-        (model, "compute_logits", CAT_LM_HEAD), (ops_module, "rope_and_cache", CAT_ROPE),
-        (model_module, "paged_attention", CAT_GATHER), (attention_module, "sdpa", CAT_SDPA),
-        (attention_module, "paged_decode_attention", CAT_GATHER), (ops_module, "silu_and_mul", CAT_ACT),
+        (llm_engine, "step", CAT_OTHER),
+        (runner, "execute", CAT_OTHER),
+        (scheduler, "schedule", CAT_SCHED),
+        (scheduler, "update", CAT_SCHED),
+        (llm_engine, "_postprocess", CAT_POST),
+        (runner, "_prepare", CAT_PREP),
+        (runner, "sampler", CAT_SAMPLER),
+        (model, "compute_logits", CAT_LM_HEAD),
+        (ops_module, "rope_and_cache", CAT_ROPE),
+        (model_module, "paged_attention", CAT_GATHER),
+        (attention_module, "sdpa", CAT_SDPA),
+        (attention_module, "paged_decode_attention", CAT_GATHER),
+        (ops_module, "silu_and_mul", CAT_ACT),
     ]
     if isinstance(model, torch.nn.Module):
         for module in model.modules():

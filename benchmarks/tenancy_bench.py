@@ -70,7 +70,9 @@ class PhaseResult:
     cpu_pct: dict[str, float] = field(default_factory=dict)  # process → % of one core during the phase
 
     def ttfts_ms(self, tenant: str) -> list[float]:
-        return [t.ttft_s * 1e3 for t in self.traces.get(tenant, []) if t.error is None and t.ttft_s is not None]
+        return [
+            t.ttft_s * 1e3 for t in self.traces.get(tenant, []) if t.error is None and t.ttft_s is not None
+        ]
 
     def errors(self, tenant: str) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -83,11 +85,19 @@ class PhaseResult:
     def split_ms(self, tenant: str) -> tuple[list[float], list[float]]:
         """The gateway's own view of TTFT in two: waiting for admission (accepted → a worker started it),
         and the rest (the prefill and the first token's way back)."""
-        ok = [t for t in self.traces.get(tenant, []) if t.error is None and t.server_queue_ms is not None
-              and t.server_ttft_ms is not None]
-        return ([t.server_queue_ms for t in ok if t.server_queue_ms is not None],
-                [t.server_ttft_ms - t.server_queue_ms for t in ok
-                 if t.server_ttft_ms is not None and t.server_queue_ms is not None])
+        ok = [
+            t
+            for t in self.traces.get(tenant, [])
+            if t.error is None and t.server_queue_ms is not None and t.server_ttft_ms is not None
+        ]
+        return (
+            [t.server_queue_ms for t in ok if t.server_queue_ms is not None],
+            [
+                t.server_ttft_ms - t.server_queue_ms
+                for t in ok
+                if t.server_ttft_ms is not None and t.server_queue_ms is not None
+            ],
+        )
 
     def itls_ms(self, tenant: str) -> list[float]:
         return [g * 1e3 for t in self.traces.get(tenant, []) if t.error is None for g in t.gaps_s()]
@@ -100,15 +110,22 @@ class PhaseResult:
         """Pools another block of the same side into this one."""
         total = self.wall_s + other.wall_s
         for name in set(self.cpu_pct) | set(other.cpu_pct):
-            self.cpu_pct[name] = ((self.cpu_pct.get(name, 0.0) * self.wall_s + other.cpu_pct.get(name, 0.0)
-                                   * other.wall_s) / total) if total > 0 else 0.0
+            self.cpu_pct[name] = (
+                (
+                    (self.cpu_pct.get(name, 0.0) * self.wall_s + other.cpu_pct.get(name, 0.0) * other.wall_s)
+                    / total
+                )
+                if total > 0
+                else 0.0
+            )
         for tenant, ts in other.traces.items():
             self.traces.setdefault(tenant, []).extend(ts)
         self.wall_s = total
 
 
-def arrivals(plan: TenancyPlan, rate: float, seed: int, vocab_size: int, tag: str,
-             token_seed: int | None = None) -> list[RequestSpec]:
+def arrivals(
+    plan: TenancyPlan, rate: float, seed: int, vocab_size: int, tag: str, token_seed: int | None = None
+) -> list[RequestSpec]:
     """A Poisson stream of chat-sized requests over ``plan.duration_s``. Times and lengths come from
     ``seed``, token ids from ``token_seed`` (default: ``seed``): the same stream with other prompts (no
     prefix-cache hits on the first run's) for a second run."""
@@ -132,8 +149,9 @@ def _cpu_s(pid: int) -> float:
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: str,
-                    pids: dict[str, int] | None = None) -> PhaseResult:
+async def run_phase(
+    address: str, streams: dict[str, list[RequestSpec]], phase: str, pids: dict[str, int] | None = None
+) -> PhaseResult:
     """Sends every tenant's requests at their arrival times, each on the tenant's own channel with its
     API key; waits for all of them to end. With ``pids``, notes each process's CPU use meanwhile."""
     import grpc
@@ -152,11 +170,16 @@ async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: 
             stub = gateway_pb2_grpc.GatewayStub(channels[tenant])
             return await generate(stub, spec, f"{phase}-{spec.name}", metadata=(("x-api-key", KEYS[tenant]),))
 
-        tasks = {tenant: [asyncio.ensure_future(one(tenant, s)) for s in specs] for tenant, specs in streams.items()}
+        tasks = {
+            tenant: [asyncio.ensure_future(one(tenant, s)) for s in specs]
+            for tenant, specs in streams.items()
+        }
         for tenant, ts in tasks.items():
             result.traces[tenant] = list(await asyncio.gather(*ts))
         result.wall_s = time.perf_counter() - t0
-        result.cpu_pct = {name: 100 * (_cpu_s(pid) - cpu0[name]) / result.wall_s for name, pid in pids.items()}
+        result.cpu_pct = {
+            name: 100 * (_cpu_s(pid) - cpu0[name]) / result.wall_s for name, pid in pids.items()
+        }
     finally:
         for ch in channels.values():
             await ch.close()
@@ -164,8 +187,9 @@ async def run_phase(address: str, streams: dict[str, list[RequestSpec]], phase: 
 
 
 @contextlib.contextmanager
-def cluster(plan: TenancyPlan, cores: tuple[int, ...], log_dir: Path,
-            log: Callable[[str], None]) -> Iterator[tuple[str, list[str], dict[str, int]]]:
+def cluster(
+    plan: TenancyPlan, cores: tuple[int, ...], log_dir: Path, log: Callable[[str], None]
+) -> Iterator[tuple[str, list[str], dict[str, int]]]:
     """Redis, the scheduler, P on the first core, D on the second, the gateway; yields the gateway's
     address and the commands (as a user types them)."""
     from scheduler.redis_server import RedisServer
@@ -177,20 +201,63 @@ def cluster(plan: TenancyPlan, cores: tuple[int, ...], log_dir: Path,
         sched = f"127.0.0.1:{free_port()}"
         p_core: tuple[int, ...] | None = (cores[0],) if len(cores) >= 2 else None
         d_core: tuple[int, ...] | None = (cores[1],) if len(cores) >= 2 else None
-        common = ["--scheduler", sched, "--redis-url", redis.url, "--kv-transport", "nixl",
-                  "--threads", str(plan.threads), "--kv-cache-memory", f"{plan.kv_cache_memory >> 20}MiB"]
+        common = [
+            "--scheduler",
+            sched,
+            "--redis-url",
+            redis.url,
+            "--kv-transport",
+            "nixl",
+            "--threads",
+            str(plan.threads),
+            "--kv-cache-memory",
+            f"{plan.kv_cache_memory >> 20}MiB",
+        ]
         gw = f"127.0.0.1:{free_port()}"
         specs: list[tuple[str, list[str], tuple[int, ...] | None, str]] = [
-            ("scheduler", [*BATON, "scheduler", "--redis-url", redis.url, "--port", sched.rsplit(":", 1)[1],
-                           *plan.scheduler_flags], None, sched),
+            (
+                "scheduler",
+                [
+                    *BATON,
+                    "scheduler",
+                    "--redis-url",
+                    redis.url,
+                    "--port",
+                    sched.rsplit(":", 1)[1],
+                    *plan.scheduler_flags,
+                ],
+                None,
+                sched,
+            )
         ]
         for role, core in (("prefill", p_core), ("decode", d_core)):
             port = str(free_port())
             extra = plan.prefill_flags if role == "prefill" else ()
-            specs.append((f"{role} worker", [*BATON, "worker", "--role", role, "--port", port, *common, *extra],
-                          core, f"127.0.0.1:{port}"))
-        specs.append(("gateway", [*BATON, "gateway", "--scheduler", sched, "--grpc-port", gw.rsplit(":", 1)[1],
-                                  "--http-port", "0"], None, gw))
+            specs.append(
+                (
+                    f"{role} worker",
+                    [*BATON, "worker", "--role", role, "--port", port, *common, *extra],
+                    core,
+                    f"127.0.0.1:{port}",
+                )
+            )
+        specs.append(
+            (
+                "gateway",
+                [
+                    *BATON,
+                    "gateway",
+                    "--scheduler",
+                    sched,
+                    "--grpc-port",
+                    gw.rsplit(":", 1)[1],
+                    "--http-port",
+                    "0",
+                ],
+                None,
+                gw,
+            )
+        )
         for name, argv, core, address in specs:
             procs.append(spawn(argv, core, log_dir / f"{name.split()[0]}.log"))
             if name != "prefill worker":  # P and D load their models side by side
@@ -242,8 +309,14 @@ def _wait_registered(redis_url: str, n: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def run_section(quick: bool, command: str, threads: int | None = None, log: Callable[[str], None] = print,
-                log_dir: Path | None = None, plan: TenancyPlan | None = None) -> str:
+def run_section(
+    quick: bool,
+    command: str,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+    log_dir: Path | None = None,
+    plan: TenancyPlan | None = None,
+) -> str:
     import json
 
     from engine.gguf_convert import prepare_default_model
@@ -253,27 +326,53 @@ def run_section(quick: bool, command: str, threads: int | None = None, log: Call
     cores = tuple(sorted(os.sched_getaffinity(0))[:2])
     machine = MachineInfo.probe(num_threads=plan.threads)
     solo, flooded = PhaseResult(), PhaseResult()
-    with tempfile.TemporaryDirectory(prefix="baton-bench-tenancy-") as tmp, \
-            cluster(plan, cores, log_dir or Path(tmp), log) as (address, commands, pids):
+    with (
+        tempfile.TemporaryDirectory(prefix="baton-bench-tenancy-") as tmp,
+        cluster(plan, cores, log_dir or Path(tmp), log) as (address, commands, pids),
+    ):
         warm = arrivals(replace(plan, duration_s=2.0), 2.0, plan.seed + 3, vocab, "quiet")
         asyncio.run(run_phase(address, {"quiet": warm}, "warm"))
         for k in range(plan.rounds):
             seed = plan.seed + 10 * k
             # The quiet tenant sends the same stream (times and sizes) on both sides, with other prompts.
-            quiet, quiet_again, flood = ([replace(x, name=f"{x.name}.r{k}") for x in stream] for stream in (
-                arrivals(plan, plan.quiet_rate, seed, vocab, "quiet"),
-                arrivals(plan, plan.quiet_rate, seed, vocab, "quiet", token_seed=seed + 1),
-                arrivals(plan, plan.quiet_rate * plan.flood_factor, seed + 2, vocab, "flood")))
+            quiet, quiet_again, flood = (
+                [replace(x, name=f"{x.name}.r{k}") for x in stream]
+                for stream in (
+                    arrivals(plan, plan.quiet_rate, seed, vocab, "quiet"),
+                    arrivals(plan, plan.quiet_rate, seed, vocab, "quiet", token_seed=seed + 1),
+                    arrivals(plan, plan.quiet_rate * plan.flood_factor, seed + 2, vocab, "flood"),
+                )
+            )
             log(f"[tenancy] round {k + 1}/{plan.rounds}: {len(quiet)} quiet requests alone")
             solo.add(asyncio.run(run_phase(address, {"quiet": quiet}, f"solo{k}", pids)))
-            log(f"[tenancy] round {k + 1}/{plan.rounds}: {len(quiet_again)} quiet and {len(flood)} flooding requests")
-            flooded.add(asyncio.run(run_phase(address, {"quiet": quiet_again, "flood": flood}, f"flood{k}", pids)))
+            log(
+                f"[tenancy] round {k + 1}/{plan.rounds}: {len(quiet_again)} quiet and {len(flood)} flooding requests"
+            )
+            flooded.add(
+                asyncio.run(run_phase(address, {"quiet": quiet_again, "flood": flood}, f"flood{k}", pids))
+            )
     if log_dir is not None:
-        (log_dir / "traces.json").write_text(json.dumps({
-            phase: {tenant: [{"name": t.name, "sent": t.sent_at, "ttft_ms": None if t.ttft_s is None else t.ttft_s * 1e3,
-                              "server_ttft_ms": t.server_ttft_ms, "queue_ms": t.server_queue_ms, "error": t.error}
-                             for t in ts] for tenant, ts in r.traces.items()}
-            for phase, r in (("solo", solo), ("flood", flooded))}))
+        (log_dir / "traces.json").write_text(
+            json.dumps(
+                {
+                    phase: {
+                        tenant: [
+                            {
+                                "name": t.name,
+                                "sent": t.sent_at,
+                                "ttft_ms": None if t.ttft_s is None else t.ttft_s * 1e3,
+                                "server_ttft_ms": t.server_ttft_ms,
+                                "queue_ms": t.server_queue_ms,
+                                "error": t.error,
+                            }
+                            for t in ts
+                        ]
+                        for tenant, ts in r.traces.items()
+                    }
+                    for phase, r in (("solo", solo), ("flood", flooded))
+                }
+            )
+        )
     return render(plan, machine, command, commands, solo, flooded)
 
 
@@ -281,8 +380,14 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x:.0f}"
 
 
-def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list[str], solo: PhaseResult,
-           flooded: PhaseResult) -> str:
+def render(
+    plan: TenancyPlan,
+    machine: MachineInfo,
+    command: str,
+    commands: list[str],
+    solo: PhaseResult,
+    flooded: PhaseResult,
+) -> str:
     s, f = solo.ttfts_ms("quiet"), flooded.ttfts_ms("quiet")
     p95_s, p95_f = percentile(s, 95), percentile(f, 95)
     ratio = p95_f / p95_s if p95_s and p95_f else None
@@ -292,7 +397,13 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
     errs = flooded.errors("flood")
     rows = [
         ("quiet alone", s, solo.itls_ms("quiet"), solo.errors("quiet"), solo.tokens_per_s("quiet")),
-        ("quiet, under the flood", f, flooded.itls_ms("quiet"), flooded.errors("quiet"), flooded.tokens_per_s("quiet")),
+        (
+            "quiet, under the flood",
+            f,
+            flooded.itls_ms("quiet"),
+            flooded.errors("quiet"),
+            flooded.tokens_per_s("quiet"),
+        ),
         ("flooding tenant", flood_ok, flooded.itls_ms("flood"), errs, flooded.tokens_per_s("flood")),
     ]
     lines = [
@@ -312,25 +423,38 @@ def render(plan: TenancyPlan, machine: MachineInfo, command: str, commands: list
         "| who | requests | ok | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | ITL p50 / p95 ms | errors | output tok/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    sent = {"quiet alone": len(solo.traces.get("quiet", [])), "quiet, under the flood":
-            len(flooded.traces.get("quiet", [])), "flooding tenant": len(flood_traces)}
+    sent = {
+        "quiet alone": len(solo.traces.get("quiet", [])),
+        "quiet, under the flood": len(flooded.traces.get("quiet", [])),
+        "flooding tenant": len(flood_traces),
+    }
     for name, ttfts, itls, e, tps in rows:
         err = ", ".join(f"{k} {v}" for k, v in sorted(e.items())) or "none"
-        lines.append(f"| {name} | {sent[name]} | {len(ttfts)} | {_ms(percentile(ttfts, 50))} | "
-                     f"{_ms(percentile(ttfts, 95))} | {_ms(percentile(ttfts, 99))} | "
-                     f"{_ms(percentile(itls, 50))} / {_ms(percentile(itls, 95))} | {err} | {tps:.1f} |")
+        lines.append(
+            f"| {name} | {sent[name]} | {len(ttfts)} | {_ms(percentile(ttfts, 50))} | "
+            f"{_ms(percentile(ttfts, 95))} | {_ms(percentile(ttfts, 99))} | "
+            f"{_ms(percentile(itls, 50))} / {_ms(percentile(itls, 95))} | {err} | {tps:.1f} |"
+        )
     (qa, ra), (qf, rf) = solo.split_ms("quiet"), flooded.split_ms("quiet")
     if qa and qf:
-        lines += ["", "Where the quiet tenant's TTFT goes (the gateway's timings, p50 / p95 ms): waiting for "
-                  f"admission {_ms(percentile(qa, 50))} / {_ms(percentile(qa, 95))} alone, "
-                  f"{_ms(percentile(qf, 50))} / {_ms(percentile(qf, 95))} under the flood; the rest (prefill "
-                  f"and the first token's way back) {_ms(percentile(ra, 50))} / {_ms(percentile(ra, 95))} alone, "
-                  f"{_ms(percentile(rf, 50))} / {_ms(percentile(rf, 95))} under the flood."]
+        lines += [
+            "",
+            "Where the quiet tenant's TTFT goes (the gateway's timings, p50 / p95 ms): waiting for "
+            f"admission {_ms(percentile(qa, 50))} / {_ms(percentile(qa, 95))} alone, "
+            f"{_ms(percentile(qf, 50))} / {_ms(percentile(qf, 95))} under the flood; the rest (prefill "
+            f"and the first token's way back) {_ms(percentile(ra, 50))} / {_ms(percentile(ra, 95))} alone, "
+            f"{_ms(percentile(rf, 50))} / {_ms(percentile(rf, 95))} under the flood.",
+        ]
     if flooded.cpu_pct:
         names = list(flooded.cpu_pct)
-        lines += ["", "CPU use per process, % of one core (the machine has "
-                  f"{os.cpu_count()}; P and D are pinned to one each, the rest float):", "",
-                  "| phase | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+        lines += [
+            "",
+            "CPU use per process, % of one core (the machine has "
+            f"{os.cpu_count()}; P and D are pinned to one each, the rest float):",
+            "",
+            "| phase | " + " | ".join(names) + " |",
+            "| --- |" + " ---: |" * len(names),
+        ]
         for label, r in (("quiet alone", solo), ("under the flood", flooded)):
             lines.append(f"| {label} | " + " | ".join(f"{r.cpu_pct.get(n, 0.0):.0f}" for n in names) + " |")
     lines += [
@@ -352,15 +476,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-flags", default="", help="extra prefill worker flags, one string")
     args = p.parse_args(argv)
     plan = TenancyPlan().quick() if args.quick else TenancyPlan()
-    plan = replace(plan, max_concurrent=args.max_concurrent, scheduler_flags=tuple(args.scheduler_flags.split()),
-                   prefill_flags=tuple(args.prefill_flags.split()))
+    plan = replace(
+        plan,
+        max_concurrent=args.max_concurrent,
+        scheduler_flags=tuple(args.scheduler_flags.split()),
+        prefill_flags=tuple(args.prefill_flags.split()),
+    )
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    print(run_section(args.quick, "python -m benchmarks.tenancy_bench", log=lambda m: print(m, file=sys.stderr),
-                      log_dir=args.log_dir, plan=plan))
+    print(
+        run_section(
+            args.quick,
+            "python -m benchmarks.tenancy_bench",
+            log=lambda m: print(m, file=sys.stderr),
+            log_dir=args.log_dir,
+            plan=plan,
+        )
+    )
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -41,8 +41,9 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: st
     return _link(parent, array("q", token_ids).tobytes(), extra_key)
 
 
-def hash_chain(token_ids: Sequence[int], block_size: int, extra_key: str,
-               parent: BlockHash | None = None) -> list[BlockHash]:
+def hash_chain(
+    token_ids: Sequence[int], block_size: int, extra_key: str, parent: BlockHash | None = None
+) -> list[BlockHash]:
     """The links of ``token_ids``' full blocks, continuing the chain after ``parent`` (the same links
     as `hash_block` one block at a time; the token ids are packed once, not once per block)."""
     num_full = len(token_ids) // block_size
@@ -118,7 +119,9 @@ class KVCacheManager:
         bs = self.block_size
         if len(hashes) < num_full:
             parent = hashes[-1] if hashes else None
-            hashes += hash_chain(request.token_slice(len(hashes) * bs, num_full * bs), bs, request.cache_salt, parent)
+            hashes += hash_chain(
+                request.token_slice(len(hashes) * bs, num_full * bs), bs, request.cache_salt, parent
+            )
         return hashes
 
     def cached_hashes(self) -> set[BlockHash]:
@@ -157,8 +160,9 @@ class KVCacheManager:
         revived = sum(1 for b in hit.block_ids if self._ref_count[b] == 0) if hit else 0
         return new + revived
 
-    def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
-                     reserve: int = 0) -> bool:
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None, reserve: int = 0
+    ) -> bool:
         return self.num_blocks_needed(request, num_new_tokens, hit) + reserve <= self.num_free_blocks
 
     # ------------------------------------------------------------------ mutations

@@ -61,9 +61,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def _validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)

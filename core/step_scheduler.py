@@ -113,8 +113,9 @@ class SchedulerOutput:
 class StepScheduler:
     """Continuous batching over a `KVCacheManager`; owns the waiting and running queues."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.kv = kv
         self._clock = clock
@@ -221,12 +222,16 @@ class StepScheduler:
         pending = sum(self.kv.num_blocks_needed(r, n) for r, n in chunks)
         admitting = not out.preempted
         started = [(self._fair_key(r), 0, r, n) for r, n in chunks]  # fair order already (_plan_running)
-        waiting = ((self._fair_key(r), 1, r, 0) for r in (tuple(self.waiting) if admitting else ()))  # _admit removes
+        waiting = (
+            (self._fair_key(r), 1, r, 0) for r in (tuple(self.waiting) if admitting else ())
+        )  # _admit removes
         # One tenant (the common case): the waiting queue is in arrival order, which is the fair order, so
         # merge lazily instead of sorting every waiting request every step.
         queue: Iterable[tuple[tuple[float, int], int, Request, int]] = (
-            heapq.merge(started, waiting, key=lambda x: (x[0], x[1])) if len(self._active) <= 1
-            else sorted([*started, *waiting], key=lambda x: (x[0], x[1])))
+            heapq.merge(started, waiting, key=lambda x: (x[0], x[1]))
+            if len(self._active) <= 1
+            else sorted([*started, *waiting], key=lambda x: (x[0], x[1]))
+        )
         if self._heavy:  # heavy tenants' prompts after the others, and only in a step without them
             queue = sorted(queue, key=lambda x: x[2].cache_salt in self._heavy)
         light_prompt = False
@@ -350,8 +355,11 @@ class StepScheduler:
         if not self.config.heavy_prefill_chunk or len(self._recent) < 2:
             return frozenset()
         now = self._clock()
-        recent = {t: tokens * 2 ** (-(now - at) / RECENT_HALF_LIFE_S)
-                  for t, (tokens, at) in self._recent.items() if now - at <= RECENT_WINDOW_S}
+        recent = {
+            t: tokens * 2 ** (-(now - at) / RECENT_HALF_LIFE_S)
+            for t, (tokens, at) in self._recent.items()
+            if now - at <= RECENT_WINDOW_S
+        }
         if len(recent) < 2:
             return frozenset()
         least = min(recent.values())

@@ -68,8 +68,14 @@ class DecodeHandoff:
             return self.transport.start_pull(handle.source, src, dst, handle.lease_id)
 
         n = self.pulls.add(
-            request_id, prompt_token_ids, first_token, params, handle.block_ids, start_pull,
-            timeout_s=timeout_s, cache_salt=cache_salt,
+            request_id,
+            prompt_token_ids,
+            first_token,
+            params,
+            handle.block_ids,
+            start_pull,
+            timeout_s=timeout_s,
+            cache_salt=cache_salt,
         )
         self._handles[request_id] = handle
         return n

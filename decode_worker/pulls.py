@@ -81,7 +81,9 @@ class KVPulls:
         n_blocks = -(-n_prompt // kv.block_size)
         try:
             if len(source_block_ids) < n_blocks:
-                raise InvalidRequest(f"the handle holds {len(source_block_ids)} blocks, the prompt needs {n_blocks}")
+                raise InvalidRequest(
+                    f"the handle holds {len(source_block_ids)} blocks, the prompt needs {n_blocks}"
+                )
             hit = kv.find_prefix(request)
             hit.block_ids = hit.block_ids[:n_blocks]
             hit.num_tokens = min(hit.num_tokens, n_prompt)
@@ -154,4 +156,3 @@ class KVPulls:
             else:
                 still.append((lease, pull))
         self._draining = still
-

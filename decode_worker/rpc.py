@@ -27,8 +27,9 @@ class DecodeRPC:
         self.handoff = handoff
         self._peers: dict[str, asyncio.Future[None]] = {}  # source address → metadata fetched
 
-    async def decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-                     ) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
+    async def decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
         shell, handoff = self.shell, self.handoff
         rid, ids, params = shell.parse(request.request_id, request.prompt_token_ids, request.sampling)
         t0 = time.monotonic()
@@ -43,8 +44,11 @@ class DecodeRPC:
                 num_bytes = await self._start_pull(rid, ids, request)
             else:
                 resume = list(request.resume_token_ids)
-                await shell.call(lambda e: e.add_request(
-                    rid, ids, params, cache_salt=request.cache_salt, resume_token_ids=resume))
+                await shell.call(
+                    lambda e: e.add_request(
+                        rid, ids, params, cache_salt=request.cache_salt, resume_token_ids=resume
+                    )
+                )
             t_first: float | None = None
             queue_s = transfer_s = 0.0
             while not finished:
@@ -64,8 +68,9 @@ class DecodeRPC:
                     shell.metrics.transfer_landed(peer, transfer_s, num_bytes)
                 queue_s = queue_s or out.queue_s
                 n_new = len(out.new_token_ids)
-                msg = worker_pb2.DecodeResponse(delta=delta_to_pb(
-                    out.new_token_ids, out.new_text, out.new_logprobs))
+                msg = worker_pb2.DecodeResponse(
+                    delta=delta_to_pb(out.new_token_ids, out.new_text, out.new_logprobs)
+                )
                 now = time.monotonic()
                 if t_first is None and n_new:
                     t_first = now
@@ -75,8 +80,13 @@ class DecodeRPC:
                 if out.finish_reason is not None:
                     finished, ok = True, out.finish_reason.completed
                     msg.finish_reason = FINISH_TO_PB[out.finish_reason]
-                    msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=out.num_output_tokens,
-                                                        cached_tokens=out.num_cached_tokens))
+                    msg.usage.CopyFrom(
+                        common_pb2.Usage(
+                            prompt_tokens=len(ids),
+                            completion_tokens=out.num_output_tokens,
+                            cached_tokens=out.num_cached_tokens,
+                        )
+                    )
                     msg.transfer_ms = transfer_s * 1e3
                     msg.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
                     if not pulled and t_first is not None:
@@ -106,8 +116,17 @@ class DecodeRPC:
         timeout = request.transfer_timeout_s or shell.config.transfer_timeout_s
         try:
             await self._ensure_peer(handle.source)
-            num_blocks = await shell.aengine.call(lambda e: handoff.start(
-                rid, ids, request.first_token, handle, params, timeout_s=timeout, cache_salt=request.cache_salt))
+            num_blocks = await shell.aengine.call(
+                lambda e: handoff.start(
+                    rid,
+                    ids,
+                    request.first_token,
+                    handle,
+                    params,
+                    timeout_s=timeout,
+                    cache_salt=request.cache_salt,
+                )
+            )
         except (KVTransferFailed, KVIncompatible):
             shell.metrics.transfer_failed(handle.source)
             raise
@@ -129,7 +148,8 @@ class DecodeRPC:
         try:
             async with grpc.aio.insecure_channel(source) as channel:
                 meta = await worker_pb2_grpc.WorkerStub(channel).TransferMetadata(
-                    worker_pb2.TransferMetadataRequest(), timeout=METADATA_TIMEOUT_S)
+                    worker_pb2.TransferMetadataRequest(), timeout=METADATA_TIMEOUT_S
+                )
         except grpc.aio.AioRpcError as e:
             raise KVTransferFailed(f"cannot fetch KV transfer metadata from {source}: {e.details()}") from e
         await self.shell.aengine.call(lambda e: self.handoff.add_peer(meta.metadata))

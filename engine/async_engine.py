@@ -243,9 +243,15 @@ class AsyncEngine:
             self._streams.pop(out.request_id, None)
             self.engine.abort_request(out.request_id)
             self.num_slow_reader_aborts += 1
-            log.warning("request %s: client too slow (%d outputs unread); aborted", out.request_id, stream.pending)
-            stream.push(CapacityExceeded(
-                f"the client did not read {stream.pending} outputs in time; request aborted", retry_after_s=0.0))
+            log.warning(
+                "request %s: client too slow (%d outputs unread); aborted", out.request_id, stream.pending
+            )
+            stream.push(
+                CapacityExceeded(
+                    f"the client did not read {stream.pending} outputs in time; request aborted",
+                    retry_after_s=0.0,
+                )
+            )
             return
         stream.stage(out)
         staged.append((stream, out))

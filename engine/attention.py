@@ -97,10 +97,18 @@ def paged_attention_reference(
     return out
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-         causal: bool = False) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads; q [B,H,Lq,D], k/v [B,KVH,Lk,D]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
 
 
 def paged_attention(
@@ -125,12 +133,30 @@ def paged_attention(
     outs: list[torch.Tensor] = []
     nd = meta.num_decode_tokens
     if nd:
-        outs.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_ctx_lens, scale, sliding_window))  # [Bd, H, D]
+        outs.append(
+            paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_ctx_lens,
+                scale,
+                sliding_window,
+            )
+        )  # [Bd, H, D]
     for p in meta.prefills:
         if p.row_block_tables is not None and p.row_ctx_lens is not None:
-            outs.append(paged_decode_attention(q[p.token_start : p.token_end], k_cache, v_cache, p.row_block_tables,
-                                               p.row_ctx_lens, scale, sliding_window))
+            outs.append(
+                paged_decode_attention(
+                    q[p.token_start : p.token_end],
+                    k_cache,
+                    v_cache,
+                    p.row_block_tables,
+                    p.row_ctx_lens,
+                    scale,
+                    sliding_window,
+                )
+            )
             continue
         qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.mask is None:

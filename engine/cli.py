@@ -13,7 +13,9 @@ from engine.config import DTYPES, QUANTIZATIONS
 def add_generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt and stream it to stdout")
     p.add_argument("prompt", help="the prompt (with --chat: the user message)")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)"
+    )
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -27,16 +29,26 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="KV cache budget, e.g. 1GiB")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights, activations and KV cache (default auto: bfloat16 where this CPU runs it faster)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights, activations and KV cache (default auto: bfloat16 where this CPU runs it faster)",
+    )
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="int8: weight-only int8")
     p.set_defaults(func=run_generate)
 
 
 def add_evaluate_parser(sub: Any) -> None:
-    p = sub.add_parser("evaluate", help="compare a candidate precision of a model with the reference, offline")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the reference's dtype (default float32)")
+    p = sub.add_parser(
+        "evaluate", help="compare a candidate precision of a model with the reference, offline"
+    )
+    p.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)"
+    )
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="the reference's dtype (default float32)"
+    )
     p.add_argument("--candidate-dtype", choices=DTYPES, default="auto")
     p.add_argument("--candidate-quantization", choices=QUANTIZATIONS, default="int8")
     p.add_argument("--prompts", type=int, default=64, help="texts to compare over (default 64)")
@@ -59,8 +71,14 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     common = {"kv_cache_memory": 256 << 20, "num_threads": args.threads}
     reference = LLM(model=args.model, dtype=args.dtype, **common)
-    candidate = LLM(model=args.model, dtype=args.candidate_dtype, quantization=args.candidate_quantization, **common)
-    prompts = (Path(args.prompts_file).read_text().splitlines() if args.prompts_file else default_prompts(args.prompts))
+    candidate = LLM(
+        model=args.model, dtype=args.candidate_dtype, quantization=args.candidate_quantization, **common
+    )
+    prompts = (
+        Path(args.prompts_file).read_text().splitlines()
+        if args.prompts_file
+        else default_prompts(args.prompts)
+    )
     prompts = [p for p in prompts if p.strip()][: args.prompts]
     texts = sample_texts(reference, prompts, args.tokens)
     a = evaluate(reference, candidate, texts, args.tokens)
@@ -76,19 +94,38 @@ def run_evaluate(args: argparse.Namespace) -> int:
     ref_tok_s, cand_tok_s = tok_s(reference), tok_s(candidate)
     cand_dtype = str(candidate.engine.runner.dtype).removeprefix("torch.")
     if args.json:
-        print(json.dumps({
-            "reference": {"version": reference.engine.model_version, "dtype": args.dtype, "quantization": "none",
-                          "tok_s_batch16": ref_tok_s},
-            "candidate": {"version": candidate.engine.model_version, "dtype": cand_dtype,
-                          "quantization": args.candidate_quantization, "tok_s_batch16": cand_tok_s},
-            "positions": a.num_positions, "argmax_agreement": a.argmax_agreement, "mean_kl": a.mean_kl,
-            "reference_nll": a.ref_nll, "candidate_nll": a.cand_nll,
-        }))
+        print(
+            json.dumps(
+                {
+                    "reference": {
+                        "version": reference.engine.model_version,
+                        "dtype": args.dtype,
+                        "quantization": "none",
+                        "tok_s_batch16": ref_tok_s,
+                    },
+                    "candidate": {
+                        "version": candidate.engine.model_version,
+                        "dtype": cand_dtype,
+                        "quantization": args.candidate_quantization,
+                        "tok_s_batch16": cand_tok_s,
+                    },
+                    "positions": a.num_positions,
+                    "argmax_agreement": a.argmax_agreement,
+                    "mean_kl": a.mean_kl,
+                    "reference_nll": a.ref_nll,
+                    "candidate_nll": a.cand_nll,
+                }
+            )
+        )
         return 0
-    print(f"reference {reference.engine.model_version} ({args.dtype}) vs candidate {candidate.engine.model_version} "
-          f"({cand_dtype}, quantization {args.candidate_quantization}) over {a.num_positions} positions:")
-    print(f"  next-token argmax agreement {a.argmax_agreement:.2%}, mean KL {a.mean_kl:.4f} nats, "
-          f"NLL {a.ref_nll:.4f} -> {a.cand_nll:.4f} ({a.nll_ratio - 1:+.2%})")
+    print(
+        f"reference {reference.engine.model_version} ({args.dtype}) vs candidate {candidate.engine.model_version} "
+        f"({cand_dtype}, quantization {args.candidate_quantization}) over {a.num_positions} positions:"
+    )
+    print(
+        f"  next-token argmax agreement {a.argmax_agreement:.2%}, mean KL {a.mean_kl:.4f} nats, "
+        f"NLL {a.ref_nll:.4f} -> {a.cand_nll:.4f} ({a.nll_ratio - 1:+.2%})"
+    )
     print(f"  decode, 16 streams: {ref_tok_s:.0f} -> {cand_tok_s:.0f} tok/s")
     return 0
 
@@ -103,12 +140,23 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads, dtype=args.dtype,
-              quantization=args.quantization)
+    llm = LLM(
+        model=args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.threads,
+        dtype=args.dtype,
+        quantization=args.quantization,
+    )
     prompt: str | list[int] = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []

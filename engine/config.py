@@ -37,7 +37,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int = 512
-    heavy_prefill_chunk: int = 0  # a heavy tenant's prompt tokens per step; 0 = none is heavy (core.step_scheduler)
+    heavy_prefill_chunk: int = (
+        0  # a heavy tenant's prompt tokens per step; 0 = none is heavy (core.step_scheduler)
+    )
     # Prompt tokens a step may carry besides running decodes (their inter-token latency's guard); None =
     # MIXED_PREFILL_TOKENS_CPU on CPU, no cap on GPU (whose steps barely grow with 512 more rows); 0 = no cap.
     mixed_prefill_tokens: int | None = None
@@ -56,7 +58,9 @@ class EngineConfig:
         if self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0:
             raise ValueError("mixed_prefill_tokens must not be negative")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+            )
 
     def resolved_mixed_prefill_tokens(self) -> int:
         if self.mixed_prefill_tokens is not None:

@@ -55,7 +55,9 @@ def _build_dir() -> Path:
     # The library is specific to this source, this torch and this CPU's instruction set.
     flags = ""
     with contextlib.suppress(OSError):  # no /proc (not Linux): the source and torch still key it
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        )
     stamp = _SOURCE.read_bytes() + " ".join([torch.__version__, *_CFLAGS, flags]).encode()
     key = hashlib.sha256(stamp).hexdigest()[:12]
     return cache_root() / "kernels" / f"cpu_ops-{key}"
@@ -74,8 +76,14 @@ def _load() -> bool:
             log.info("building Baton's CPU kernels into %s (once per machine)", build)
         # Through torch's loader even when built: it holds a lock in the build directory, so a process
         # never loads a library that another one is still linking.
-        load(name="baton_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build), is_python_module=False,
-             extra_cflags=_CFLAGS, verbose=False)
+        load(
+            name="baton_cpu_ops",
+            sources=[str(_SOURCE)],
+            build_directory=str(build),
+            is_python_module=False,
+            extra_cflags=_CFLAGS,
+            verbose=False,
+        )
         return hasattr(torch.ops.baton, "paged_decode_attention")
     except Exception as e:  # no compiler, a failed build: the torch ops still serve, slower
         log.warning("Baton's CPU kernels are unavailable (%s: %s); using the torch ops", type(e).__name__, e)
@@ -91,8 +99,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x) in x's dtype, residual + x in fp32); the kernel updates both in place.
     The residual stream stays fp32: it sums every layer's output, where bf16 rounding would add up."""
     if use_kernels(x) and x.is_contiguous() and residual.is_contiguous() and residual.dtype == torch.float32:
@@ -124,7 +133,9 @@ def rope_and_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k (RoPE at ``positions``) and stores k and v in their slots; returns rotated (q, k)."""
     if use_kernels(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-        torch.ops.baton.rope_and_cache(q, k, v, cos, sin, positions, k_cache, v_cache, slot_blocks, slot_offsets)
+        torch.ops.baton.rope_and_cache(
+            q, k, v, cos, sin, positions, k_cache, v_cache, slot_blocks, slot_offsets
+        )
         return q, k
     c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
     s = sin[positions].unsqueeze(1).to(q.dtype)
@@ -144,8 +155,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, H, D]
     if use_kernels(q) and q.stride(-1) == 1:
         out = torch.empty(q.shape, dtype=q.dtype)
-        torch.ops.baton.paged_decode_attention(out, q, k_cache, v_cache, block_tables, ctx_lens, scale,
-                                               sliding_window or 0)
+        torch.ops.baton.paged_decode_attention(
+            out, q, k_cache, v_cache, block_tables, ctx_lens, scale, sliding_window or 0
+        )
         return out
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, ctx_lens, scale, sliding_window)
 
@@ -190,8 +202,13 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 
 def paged_decode_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    ctx_lens: torch.Tensor, scale: float, sliding_window: int | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """Every sequence gathered and padded to the longest, masked by its own length: one batched SDPA."""
     k = gather_blocks(k_cache, block_tables).transpose(1, 2)  # [B, KVH, L, D]
@@ -202,6 +219,7 @@ def paged_decode_attention_ref(
     if sliding_window is not None:
         mask &= k_pos > ctx - 1 - sliding_window
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=bias[:, None, None, :], scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=bias[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)

@@ -45,7 +45,9 @@ def _identity(path: Path) -> tuple[int, ...]:
 @functools.cache
 def _sha256(path: str, identity: tuple[int, ...]) -> str:
     try:
-        record: Path | None = cache_root() / "digests" / f"{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
+        record: Path | None = (
+            cache_root() / "digests" / f"{hashlib.sha256(path.encode()).hexdigest()[:32]}.json"
+        )
     except RuntimeError:  # no home directory (an arbitrary container user) and no cache set: remember nothing
         record = None
     if record is not None:

@@ -42,7 +42,9 @@ _KERNEL_MAX_ROWS = 16
 
 
 def _packing_available() -> bool:
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 @functools.cache
@@ -70,7 +72,9 @@ def probe_cpu_bf16() -> bool:
     except Exception as e:  # an op missing in this build: fp32 it is
         log.info("bf16 probe failed (%s): float32", e)
         return False
-    log.info("bf16 probe: packed bf16 %.0f us vs fp32 %.0f us per 16x576x1536 product", bf16 * 250e3, fp32 * 250e3)
+    log.info(
+        "bf16 probe: packed bf16 %.0f us vs fp32 %.0f us per 16x576x1536 product", bf16 * 250e3, fp32 * 250e3
+    )
     return bf16 < fp32
 
 
@@ -83,7 +87,9 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().bfloat16(), 16))
+        self.register_buffer(
+            "packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().bfloat16(), 16)
+        )
         self.register_buffer("bias", None if bias is None else bias.detach().bfloat16())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

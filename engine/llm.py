@@ -93,4 +93,3 @@ def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int)
     if len(params) != n:
         raise InvalidRequest(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)
-

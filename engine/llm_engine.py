@@ -89,17 +89,25 @@ class LLMEngine:
                 )
             model_len = config.max_model_len
         self.max_model_len = min(model_len, capacity)
-        model = load_model(self.model_dir, self.model_config, dtype, device, self.max_model_len + 1,
-                           config.quantization)
+        model = load_model(
+            self.model_dir, self.model_config, dtype, device, self.max_model_len + 1, config.quantization
+        )
         _return_freed_memory()  # the checkpoint's fp32 copies and the weights before packing or quantizing
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = StepScheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_chunk,
-                            config.heavy_prefill_chunk, config.resolved_mixed_prefill_tokens()),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.long_prefill_chunk,
+                config.heavy_prefill_chunk,
+                config.resolved_mixed_prefill_tokens(),
+            ),
             self.kv,
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size)
-        self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.model_config.eos_token_ids)))
+        self.eos_token_ids = tuple(
+            sorted(set(self.tokenizer.stop_token_ids) | set(self.model_config.eos_token_ids))
+        )
         self._states: dict[RequestId, _OutputState] = {}
         self._aborted: list[RequestOutput] = []  # ended between steps: emitted with the next step
         self.step_hooks: list[StepHook] = []
@@ -113,7 +121,13 @@ class LLMEngine:
         self._model_version: str | None = None
         log.info(
             "engine ready: model=%s device=%s dtype=%s quantization=%s kv_blocks=%d (%d tokens, %.0f MiB) max_model_len=%d",
-            self.model_dir, device, dtype, config.quantization, num_blocks, capacity, num_blocks * block_bytes / 2**20,
+            self.model_dir,
+            device,
+            dtype,
+            config.quantization,
+            num_blocks,
+            capacity,
+            num_blocks * block_bytes / 2**20,
             self.max_model_len,
         )
 
@@ -158,13 +172,19 @@ class LLMEngine:
         return request
 
     def continue_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], first_token: int, params: SamplingParams,
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
         cache_salt: str = "",
     ) -> Request:
         """A request prefilled elsewhere, checked and tracked but not yet scheduled (its KV is to be
         pulled: see decode_worker.pulls); ``first_token`` is the one the prefill worker already sent.
         Then `admit_landed` schedules it, or `end_unscheduled` / `forget` ends it."""
-        request = self._new_request(request_id, self._check_ids([*prompt_token_ids, first_token]), params, cache_salt)
+        request = self._new_request(
+            request_id, self._check_ids([*prompt_token_ids, first_token]), params, cache_salt
+        )
         request.prompt_token_ids.pop()
         if request.request_id in self.scheduler.requests or request.request_id in self._states:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -229,7 +249,9 @@ class LLMEngine:
         if self._model_version is None:
             digest = model_digest(self.model_dir)
             if self.config.quantization != "none":
-                digest = hashlib.sha256(f"{digest}+{self.config.quantization}-woq-v1".encode()).hexdigest()[:16]
+                digest = hashlib.sha256(f"{digest}+{self.config.quantization}-woq-v1".encode()).hexdigest()[
+                    :16
+                ]
             self._model_version = digest
         return self._model_version
 
@@ -246,19 +268,28 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         return list(ids)
 
-    def _new_request(self, request_id: str, token_ids: list[int], params: SamplingParams, salt: str) -> Request:
+    def _new_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, salt: str
+    ) -> Request:
         params.validate_for_vocab(self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return Request(
-            request_id=RequestId(request_id), prompt_token_ids=token_ids, params=params, seed=seed,
-            eos_token_ids=self.eos_token_ids, cache_salt=salt, max_model_len=self.max_model_len,
+            request_id=RequestId(request_id),
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=salt,
+            max_model_len=self.max_model_len,
         )
 
     def _track(self, request: Request) -> None:
         params = request.params
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._states[request.request_id] = _OutputState(
-            detok=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+            detok=IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            ),
             matcher=matcher,
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -317,7 +348,8 @@ class LLMEngine:
         delta = "" if stopped_by_token else state.detok.add([token])
         # At a handoff (length, more to come on the decode worker) held-back text stays held back.
         final = request.is_finished and not (
-            state.continues_elsewhere and request.finish_reason is FinishReason.LENGTH)
+            state.continues_elsewhere and request.finish_reason is FinishReason.LENGTH
+        )
         if final:
             delta += state.detok.flush()  # a character left incomplete at the end shows as U+FFFD
         if state.matcher is not None:
@@ -336,7 +368,11 @@ class LLMEngine:
         return out
 
     def _make_output(
-        self, request: Request, state: _OutputState, delta: str, new_tokens: list[int],
+        self,
+        request: Request,
+        state: _OutputState,
+        delta: str,
+        new_tokens: list[int],
         new_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         if delta:

@@ -63,12 +63,18 @@ def safetensors_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)"
+        )
     return files
 
 
 def load_model(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
     quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Builds the model without initialising it, fills every parameter from the checkpoint, then puts
@@ -92,7 +98,9 @@ def load_model(
                         continue
                     pname, part = target
                     if pname not in params:
-                        raise ModelLoadError(f"{file.name}: tensor {name!r} does not fit the {cfg.architecture} layout")
+                        raise ModelLoadError(
+                            f"{file.name}: tensor {name!r} does not fit the {cfg.architecture} layout"
+                        )
                     tensor = f.get_tensor(name)
                     dest = params[pname].data
                     if part is not None:

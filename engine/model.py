@@ -87,16 +87,22 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_layer: tuple[torch.Tensor, torch.Tensor],
-                rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D] strided views of the qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_layer  # [num_blocks, block_size, KVH, D] views
-        q, k = cpu_ops.rope_and_cache(q, k, v, rope.cos, rope.sin, meta.positions, k_cache, v_cache,
-                                      meta.slot_blocks, meta.slot_offsets)
+        q, k = cpu_ops.rope_and_cache(
+            q, k, v, rope.cos, rope.sin, meta.positions, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets
+        )
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, H, D]
         projected: torch.Tensor = self.o_proj(out.reshape(t, self.q_size))
         return projected
@@ -130,8 +136,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
-                kv_layer: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output (the embeddings for layer 0), residual: the stream before
         it (None for layer 0). Returns this layer's MLP output and the stream before it."""
         if residual is None:
@@ -161,7 +173,12 @@ def _build_decode_plan(model: LlamaForCausalLM) -> tuple[int, list[torch.Tensor]
     weights: list[torch.Tensor] = []
     for layer in model.decoder_layers():
         weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for proj in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
             got = parts(proj)
             if got is None:
                 return None
@@ -212,14 +229,31 @@ class LlamaForCausalLM(nn.Module):
                 cfg = self.config
                 k_caches, v_caches = [kv[0] for kv in kv_layers], [kv[1] for kv in kv_layers]
                 hidden: torch.Tensor = torch.ops.baton.decode_layers(
-                    x, plan[1], plan[0], meta.positions, meta.slot_blocks, meta.slot_offsets,
-                    rows[0], rows[1], self.rope.cos, self.rope.sin, k_caches, v_caches,
-                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                    cfg.sliding_window or 0)
+                    x,
+                    plan[1],
+                    plan[0],
+                    meta.positions,
+                    meta.slot_blocks,
+                    meta.slot_offsets,
+                    rows[0],
+                    rows[1],
+                    self.rope.cos,
+                    self.rope.sin,
+                    k_caches,
+                    v_caches,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    cfg.head_dim,
+                    cfg.rms_norm_eps,
+                    cfg.head_dim**-0.5,
+                    cfg.sliding_window or 0,
+                )
                 return hidden
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.decoder_layers()):
-            x, residual = cast(tuple[torch.Tensor, torch.Tensor], layer(x, residual, meta, kv_layers[i], self.rope))
+            x, residual = cast(
+                tuple[torch.Tensor, torch.Tensor], layer(x, residual, meta, kv_layers[i], self.rope)
+            )
         return x if residual is None else (residual + x.float()).to(x.dtype)
 
     def decoder_layers(self) -> list[DecoderLayer]:

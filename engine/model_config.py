@@ -82,7 +82,9 @@ class ModelConfig:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if heads % kv_heads:
-            raise ModelLoadError(f"{source}: num_attention_heads {heads} is not a multiple of KV heads {kv_heads}")
+            raise ModelLoadError(
+                f"{source}: num_attention_heads {heads} is not a multiple of KV heads {kv_heads}"
+            )
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
         theta, scaling = _rope(raw, source)

@@ -73,8 +73,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         rows = [
             SamplingRow(
-                params=r.params, seed=r.seed, prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids, eos_token_ids=r.eos_token_ids,
+                params=r.params,
+                seed=r.seed,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                eos_token_ids=r.eos_token_ids,
             )
             for r in (s.request for s in samplers)
         ]
@@ -161,9 +164,7 @@ class ModelRunner:
         return input_ids, meta, sample_rows, samplers
 
 
-def _seq_positions(
-    decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
-) -> list[tuple[int, int]]:
+def _seq_positions(decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]) -> list[tuple[int, int]]:
     """(sequence index, absolute position) of every token, in batch order."""
     pairs = [(i, s.start) for i, s in enumerate(decodes)]
     for j, s in enumerate(chunks):
@@ -189,4 +190,6 @@ def _attends_by_rows(start: int, n: int) -> bool:
 
 def _pad_tables(tables: Sequence[Sequence[int]]) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.long).view(len(tables), width)
+    return torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.long).view(
+        len(tables), width
+    )

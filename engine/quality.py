@@ -36,7 +36,9 @@ class Agreement:
 
 
 @torch.inference_mode()
-def teacher_forced_logits(model: LlamaForCausalLM, token_ids: Sequence[int], block_size: int = 16) -> torch.Tensor:
+def teacher_forced_logits(
+    model: LlamaForCausalLM, token_ids: Sequence[int], block_size: int = 16
+) -> torch.Tensor:
     """fp32 logits ``[n, V]`` of positions 0..n-1 of ``token_ids`` (row i predicts token i + 1)."""
     n = len(token_ids)
     param = next(model.parameters())
@@ -46,18 +48,26 @@ def teacher_forced_logits(model: LlamaForCausalLM, token_ids: Sequence[int], blo
     positions = torch.arange(n, device=device)
     table = torch.arange(num_blocks, device=device)
     meta = AttentionMetadata(
-        positions=positions, slot_blocks=positions // block_size, slot_offsets=positions % block_size,
-        num_decode_tokens=0, decode_block_tables=torch.empty(0, 0, dtype=torch.long, device=device),
+        positions=positions,
+        slot_blocks=positions // block_size,
+        slot_offsets=positions % block_size,
+        num_decode_tokens=0,
+        decode_block_tables=torch.empty(0, 0, dtype=torch.long, device=device),
         decode_ctx_lens=torch.empty(0, dtype=torch.long, device=device),
         prefills=[PrefillSpan(0, n, 0, table, None)],
-        block_tables=table.unsqueeze(0), token_seq_ids=torch.zeros(n, dtype=torch.int32, device=device),
+        block_tables=table.unsqueeze(0),
+        token_seq_ids=torch.zeros(n, dtype=torch.int32, device=device),
     )
     hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=device), meta, layer_views(kv))
     return model.compute_logits(hidden)
 
 
-def compare(ref_logits: Sequence[torch.Tensor], cand_logits: Sequence[torch.Tensor],
-            sequences: Sequence[Sequence[int]], num_last: int | None = None) -> Agreement:
+def compare(
+    ref_logits: Sequence[torch.Tensor],
+    cand_logits: Sequence[torch.Tensor],
+    sequences: Sequence[Sequence[int]],
+    num_last: int | None = None,
+) -> Agreement:
     """Figures over the predictions of each sequence's last ``num_last`` tokens (default: of every token
     after the first)."""
     agree = kl = ref_nll = cand_nll = 0.0
@@ -65,7 +75,7 @@ def compare(ref_logits: Sequence[torch.Tensor], cand_logits: Sequence[torch.Tens
     for ref, cand, seq in zip(ref_logits, cand_logits, sequences, strict=True):
         start = 0 if num_last is None else len(seq) - 1 - num_last
         ref, cand = ref[start:-1].float(), cand[start:-1].float()
-        targets = torch.tensor(list(seq[start + 1:]), device=ref.device)
+        targets = torch.tensor(list(seq[start + 1 :]), device=ref.device)
         ref_lp, cand_lp = ref.log_softmax(-1), cand.log_softmax(-1)
         agree += float((ref.argmax(-1) == cand.argmax(-1)).sum())
         kl += float((ref_lp.exp() * (ref_lp - cand_lp)).sum())
@@ -78,15 +88,25 @@ def compare(ref_logits: Sequence[torch.Tensor], cand_logits: Sequence[torch.Tens
 
 
 # Short openings for `sample_texts` when the user brings no prompts of their own.
-DEFAULT_OPENINGS = ("The history of", "A recipe for", "My favourite", "In the year", "The best way to",
-                    "Scientists say", "Once upon a time", "Dear diary,")
+DEFAULT_OPENINGS = (
+    "The history of",
+    "A recipe for",
+    "My favourite",
+    "In the year",
+    "The best way to",
+    "Scientists say",
+    "Once upon a time",
+    "Dear diary,",
+)
 DEFAULT_SUBJECTS = ("cats", "rain", "cities", "music", "trains", "tea", "stars", "maps")
 
 
 def default_prompts(count: int) -> list[str]:
     """``count`` short prompts, every opening with every subject (64 distinct ones)."""
     n_open, n_subj = len(DEFAULT_OPENINGS), len(DEFAULT_SUBJECTS)
-    return [f"{DEFAULT_OPENINGS[i % n_open]} {DEFAULT_SUBJECTS[(i // n_open + i) % n_subj]}" for i in range(count)]
+    return [
+        f"{DEFAULT_OPENINGS[i % n_open]} {DEFAULT_SUBJECTS[(i // n_open + i) % n_subj]}" for i in range(count)
+    ]
 
 
 def sample_texts(llm: Any, prompts: Sequence[str], num_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -95,13 +115,17 @@ def sample_texts(llm: Any, prompts: Sequence[str], num_tokens: int, seed: int = 
     from core.sampling_params import SamplingParams
 
     ids = [llm.tokenizer.encode(p) for p in prompts]
-    params = [SamplingParams(max_tokens=num_tokens, temperature=1.0, seed=seed + i, ignore_eos=True)
-              for i in range(len(ids))]
+    params = [
+        SamplingParams(max_tokens=num_tokens, temperature=1.0, seed=seed + i, ignore_eos=True)
+        for i in range(len(ids))
+    ]
     outs = llm.generate(ids, params)
     return [p + o.token_ids for p, o in zip(ids, outs, strict=True)]
 
 
-def evaluate(reference: Any, candidate: Any, sequences: Sequence[Sequence[int]], num_last: int | None) -> Agreement:
+def evaluate(
+    reference: Any, candidate: Any, sequences: Sequence[Sequence[int]], num_last: int | None
+) -> Agreement:
     """`compare` of two `engine.LLM`s' teacher-forced logits over ``sequences``."""
     ref = [teacher_forced_logits(reference.engine.runner.model, s) for s in sequences]
     cand = [teacher_forced_logits(candidate.engine.runner.model, s) for s in sequences]

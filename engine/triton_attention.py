@@ -26,12 +26,29 @@ _MIN_DOT_DIM = 16  # tl.dot wants every tile dimension >= 16
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # Triton's own argument types (pointers, constexprs)
-    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_ids_ptr, positions_ptr,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,  # K cache view [num_blocks, block_size, KVH, D]
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_bts, stride_btb,  # block tables [S, max_blocks]
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_ids_ptr,
+    positions_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,  # K cache view [num_blocks, block_size, KVH, D]
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bts,
+    stride_btb,  # block tables [S, max_blocks]
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the native instruction)
     sliding_window,  # 0 = none
     GROUP: tl.constexpr,
@@ -66,8 +83,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # Triton's own arg
     # Every visited block holds >= 1 visible key (the first holds `lo`, the last `pos`), so m_new is finite.
     for j in range(lo // BLOCK_SIZE, pos // BLOCK_SIZE + 1):
         block = tl.load(bt_row + j * stride_btb).to(tl.int64)
-        k_offs = block * stride_kb + slots[:, None] * stride_ks + kv_head64 * stride_kh + dims[None, :] * stride_kd
-        v_offs = block * stride_vb + slots[:, None] * stride_vs + kv_head64 * stride_vh + dims[None, :] * stride_vd
+        k_offs = (
+            block * stride_kb + slots[:, None] * stride_ks + kv_head64 * stride_kh + dims[None, :] * stride_kd
+        )
+        v_offs = (
+            block * stride_vb + slots[:, None] * stride_vs + kv_head64 * stride_vh + dims[None, :] * stride_vd
+        )
         # A real GPU would prefetch the next block here (num_stages pipelining) since decode is HBM-bound.
         k = tl.load(k_ptr + k_offs)  # [BLOCK_SIZE, D]; the whole block is in bounds, only keys get masked
         v = tl.load(v_ptr + v_offs)
@@ -93,11 +114,19 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  token_seq_ids: torch.Tensor, token_positions: torch.Tensor) -> None:
+def _check_shapes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq_ids: torch.Tensor,
+    token_positions: torch.Tensor,
+) -> None:
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"expected q [T, H, D] and k_cache [num_blocks, block_size, KVH, D], "
-                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"expected q [T, H, D] and k_cache [num_blocks, block_size, KVH, D], "
+            f"got {tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -115,8 +144,10 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [S, max_blocks], got {tuple(block_tables.shape)}")
     if token_seq_ids.shape != (num_tokens,) or token_positions.shape != (num_tokens,):
-        raise ValueError(f"token_seq_ids {tuple(token_seq_ids.shape)} and token_positions "
-                         f"{tuple(token_positions.shape)} must both be [{num_tokens}]")
+        raise ValueError(
+            f"token_seq_ids {tuple(token_seq_ids.shape)} and token_positions "
+            f"{tuple(token_positions.shape)} must both be [{num_tokens}]"
+        )
 
 
 def paged_attention_triton(
@@ -143,8 +174,18 @@ def paged_attention_triton(
     token_positions = token_positions.contiguous()
 
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, token_seq_ids, token_positions,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        token_seq_ids,
+        token_positions,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *block_tables.stride(),
         scale * _LOG2E,
         sliding_window or 0,
         GROUP=group,

@@ -84,7 +84,9 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 def check_block_ids(src: list[int], dst: list[int], num_src: int, num_dst: int, peer: str) -> None:
     """Every block id must exist on its side; a bad id is a clear error, never a stray copy."""
     if len(src) != len(dst):
-        raise KVTransferFailed(f"pull from {peer}: {len(src)} source blocks but {len(dst)} destination blocks")
+        raise KVTransferFailed(
+            f"pull from {peer}: {len(src)} source blocks but {len(dst)} destination blocks"
+        )
     if src and (min(src) < 0 or max(src) >= num_src):
         raise KVTransferFailed(f"pull from {peer}: source block id out of range [0, {num_src})")
     if dst and (min(dst) < 0 or max(dst) >= num_dst):

@@ -106,7 +106,9 @@ class ShmTransport:
         self._peers[header.name] = (header, mapping)
         return header.name
 
-    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> ThreadPull:
+    def start_pull(
+        self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str
+    ) -> ThreadPull:
         entry = self._peers.get(peer)
         if entry is None:
             raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")

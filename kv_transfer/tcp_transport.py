@@ -20,13 +20,7 @@ import torch
 
 from core.errors import KVTransferFailed
 from kv_transfer.handle import KVLayout, block_runs, check_block_ids
-from kv_transfer.transport import (
-    NOTIFY_RELEASE,
-    PeerHeader,
-    ThreadPull,
-    pack_metadata,
-    unpack_metadata,
-)
+from kv_transfer.transport import NOTIFY_RELEASE, PeerHeader, ThreadPull, pack_metadata, unpack_metadata
 
 _IO_TIMEOUT_S = 10.0
 
@@ -95,7 +89,9 @@ class TcpTransport:
         self._peers[header.name] = header
         return header.name
 
-    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> ThreadPull:
+    def start_pull(
+        self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str
+    ) -> ThreadPull:
         header = self._peers.get(peer)
         if header is None:
             raise KVTransferFailed(f"unknown KV peer {peer!r}: add_peer() its metadata first")

@@ -58,7 +58,10 @@ class ThreadPull:
     ``interrupt`` (if given) unblocks it from another thread, e.g. by shutting its socket down."""
 
     def __init__(
-        self, work: Callable[[Callable[[], bool]], None], name: str, interrupt: Callable[[], None] | None = None
+        self,
+        work: Callable[[Callable[[], bool]], None],
+        name: str,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -108,7 +111,9 @@ class KVTransport(Protocol):
 
     def add_peer(self, metadata: bytes) -> str: ...
 
-    def start_pull(self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str) -> PendingPull: ...
+    def start_pull(
+        self, peer: str, src_blocks: list[int], dst_blocks: list[int], lease_id: str
+    ) -> PendingPull: ...
 
     def notify(self, peer: str, kind: str, lease_id: str) -> None: ...
 

@@ -34,11 +34,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse type from a parser that raises ValueError with a message."""
+
     def convert(text: str) -> Any:
         try:
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return convert
 
 
@@ -102,20 +104,39 @@ def _warmup(text: str) -> tuple[int, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="loadgen", description="Benchmark an LLM serving endpoint (Baton gRPC or any "
-                     "OpenAI-compatible HTTP server) with vLLM's metric definitions. See docs/LOADGEN.md.")
+    parser = _Parser(
+        prog="loadgen",
+        description="Benchmark an LLM serving endpoint (Baton gRPC or any "
+        "OpenAI-compatible HTTP server) with vLLM's metric definitions. See docs/LOADGEN.md.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,compare}")
     _add_run_parser(sub)
     cmp = sub.add_parser("compare", help="compare result files side by side (ratios vs the first)")
     cmp.add_argument("files", nargs="+", type=Path, help="result JSON files of `loadgen run`")
-    cmp.add_argument("--metrics", metavar="FIELD,...", type=_names, default=None,
-                     help="comma-separated result fields (default: throughputs and latency means and tails)")
-    cmp.add_argument("--labels", metavar="NAME,...", type=_names, default=None,
-                     help="comma-separated names for the files (default: each result's label, else its name)")
-    cmp.add_argument("--markdown", metavar="FILE", type=Path, default=None,
-                     help="also write the table as markdown to this file")
-    cmp.add_argument("--plot", metavar="FILE", type=Path, default=None,
-                     help="also write a bar chart PNG to this file")
+    cmp.add_argument(
+        "--metrics",
+        metavar="FIELD,...",
+        type=_names,
+        default=None,
+        help="comma-separated result fields (default: throughputs and latency means and tails)",
+    )
+    cmp.add_argument(
+        "--labels",
+        metavar="NAME,...",
+        type=_names,
+        default=None,
+        help="comma-separated names for the files (default: each result's label, else its name)",
+    )
+    cmp.add_argument(
+        "--markdown",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="also write the table as markdown to this file",
+    )
+    cmp.add_argument(
+        "--plot", metavar="FILE", type=Path, default=None, help="also write a bar chart PNG to this file"
+    )
     return parser
 
 
@@ -132,84 +153,206 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _add_target_flags(t: argparse._ArgumentGroup) -> None:
-    t.add_argument("--target", metavar="URL", required=True,
-                   help="grpc://HOST:PORT (Baton Session) or http(s)://HOST:PORT (OpenAI-compatible)")
-    t.add_argument("--model", metavar="NAME", default=None,
-                   help="model name to request (default: the first one the server lists)")
-    t.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="HTTP: /v1/completions or /v1/chat/completions; gRPC: prompt or chat messages")
-    t.add_argument("--api-key", metavar="KEY", default="",
-                   help="sent as 'authorization: Bearer KEY' by requests of no tenant")
-    t.add_argument("--tokenizer", metavar="PATH", default=None,
-                   help="HF model dir, .gguf or 'default' (Baton's default model): exact token lengths")
+    t.add_argument(
+        "--target",
+        metavar="URL",
+        required=True,
+        help="grpc://HOST:PORT (Baton Session) or http(s)://HOST:PORT (OpenAI-compatible)",
+    )
+    t.add_argument(
+        "--model",
+        metavar="NAME",
+        default=None,
+        help="model name to request (default: the first one the server lists)",
+    )
+    t.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="HTTP: /v1/completions or /v1/chat/completions; gRPC: prompt or chat messages",
+    )
+    t.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default="",
+        help="sent as 'authorization: Bearer KEY' by requests of no tenant",
+    )
+    t.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        default=None,
+        help="HF model dir, .gguf or 'default' (Baton's default model): exact token lengths",
+    )
     t.add_argument("--temperature", metavar="T", type=float, default=0.0)
     t.add_argument("--ignore-eos", action="store_true", help="force every output to its full length")
-    t.add_argument("--extra-body", metavar="JSON", type=_typed(_json_object), default={},
-                   help="HTTP: a JSON object merged into every request body, for a server's own fields "
-                        "(e.g. '{\"min_tokens\": 64}' for llama.cpp)")
-    t.add_argument("--no-stream-usage", action="store_true",
-                   help="HTTP: do not send stream_options.include_usage (for servers that reject it)")
-    t.add_argument("--request-timeout", metavar="S", type=_typed(_finite_positive), default=600.0,
-                   help="seconds per request")
-    t.add_argument("--connect-timeout", metavar="S", type=_typed(_finite_positive), default=10.0,
-                   help="seconds for the target's first answer")
-    t.add_argument("--session-requests", metavar="N", type=_typed(_positive_int), default=32,
-                   help="gRPC: requests in flight per Session stream before another is opened")
+    t.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        type=_typed(_json_object),
+        default={},
+        help="HTTP: a JSON object merged into every request body, for a server's own fields "
+        "(e.g. '{\"min_tokens\": 64}' for llama.cpp)",
+    )
+    t.add_argument(
+        "--no-stream-usage",
+        action="store_true",
+        help="HTTP: do not send stream_options.include_usage (for servers that reject it)",
+    )
+    t.add_argument(
+        "--request-timeout",
+        metavar="S",
+        type=_typed(_finite_positive),
+        default=600.0,
+        help="seconds per request",
+    )
+    t.add_argument(
+        "--connect-timeout",
+        metavar="S",
+        type=_typed(_finite_positive),
+        default=10.0,
+        help="seconds for the target's first answer",
+    )
+    t.add_argument(
+        "--session-requests",
+        metavar="N",
+        type=_typed(_positive_int),
+        default=32,
+        help="gRPC: requests in flight per Session stream before another is opened",
+    )
 
 
 def _add_workload_flags(w: argparse._ArgumentGroup) -> None:
     length = _typed(LengthSpec.parse)
     w.add_argument("--dataset", choices=("random", "sharegpt"), default="random")
-    w.add_argument("--dataset-path", metavar="FILE", type=Path, default=None,
-                   help="ShareGPT-format JSON file")
-    w.add_argument("--input-len", metavar="N|LO:HI", type=length, default=LengthSpec(128, 128),
-                   help="prompt tokens: N or LO:HI")
-    w.add_argument("--output-len", metavar="N|LO:HI", type=length, default=None,
-                   help="output tokens (max_tokens): N or LO:HI (default 128; ShareGPT: the gpt turn's)")
-    w.add_argument("--prefix-groups", metavar="N", type=_typed(_non_negative_int), default=0,
-                   help="requests fall into this many groups, each sharing a prefix")
-    w.add_argument("--prefix-len", metavar="N", type=_typed(_non_negative_int), default=0,
-                   help="tokens of each group's shared prefix (before the --input-len tokens)")
-    w.add_argument("--long-share", metavar="F", type=_typed(_share), default=0.0,
-                   help="share of requests that are long")
+    w.add_argument(
+        "--dataset-path", metavar="FILE", type=Path, default=None, help="ShareGPT-format JSON file"
+    )
+    w.add_argument(
+        "--input-len",
+        metavar="N|LO:HI",
+        type=length,
+        default=LengthSpec(128, 128),
+        help="prompt tokens: N or LO:HI",
+    )
+    w.add_argument(
+        "--output-len",
+        metavar="N|LO:HI",
+        type=length,
+        default=None,
+        help="output tokens (max_tokens): N or LO:HI (default 128; ShareGPT: the gpt turn's)",
+    )
+    w.add_argument(
+        "--prefix-groups",
+        metavar="N",
+        type=_typed(_non_negative_int),
+        default=0,
+        help="requests fall into this many groups, each sharing a prefix",
+    )
+    w.add_argument(
+        "--prefix-len",
+        metavar="N",
+        type=_typed(_non_negative_int),
+        default=0,
+        help="tokens of each group's shared prefix (before the --input-len tokens)",
+    )
+    w.add_argument(
+        "--long-share", metavar="F", type=_typed(_share), default=0.0, help="share of requests that are long"
+    )
     w.add_argument("--long-input-len", metavar="N|LO:HI", type=length, default=LengthSpec(2048, 2048))
     w.add_argument("--long-output-len", metavar="N|LO:HI", type=length, default=LengthSpec(256, 256))
-    w.add_argument("--tenant", metavar="NAME:SHARE[:KEY]", type=_typed(Tenant.parse), action="append",
-                   default=[],
-                   help="repeatable: a tenant's share of the requests and its API key")
-    w.add_argument("--max-total-len", metavar="N", type=_typed(_positive_int), default=None,
-                   help="ShareGPT: skip conversations whose prompt + output tokens exceed this")
+    w.add_argument(
+        "--tenant",
+        metavar="NAME:SHARE[:KEY]",
+        type=_typed(Tenant.parse),
+        action="append",
+        default=[],
+        help="repeatable: a tenant's share of the requests and its API key",
+    )
+    w.add_argument(
+        "--max-total-len",
+        metavar="N",
+        type=_typed(_positive_int),
+        default=None,
+        help="ShareGPT: skip conversations whose prompt + output tokens exceed this",
+    )
 
 
 def _add_arrival_flags(a: argparse._ArgumentGroup) -> None:
     a.add_argument("--arrival", choices=ARRIVALS, default="poisson")
-    a.add_argument("--rate", metavar="R", type=_typed(_positive_float), default=math.inf,
-                   help="requests per second for poisson/gamma/constant (default inf: all at once)")
-    a.add_argument("--burstiness", metavar="B", type=_typed(_finite_positive), default=None,
-                   help="gamma shape (vLLM's burstiness; 1 = Poisson)")
-    a.add_argument("--concurrency", metavar="N", type=_typed(_positive_int), default=None,
-                   help="closed loop: clients sending back to back; open loop: a cap on requests in flight")
+    a.add_argument(
+        "--rate",
+        metavar="R",
+        type=_typed(_positive_float),
+        default=math.inf,
+        help="requests per second for poisson/gamma/constant (default inf: all at once)",
+    )
+    a.add_argument(
+        "--burstiness",
+        metavar="B",
+        type=_typed(_finite_positive),
+        default=None,
+        help="gamma shape (vLLM's burstiness; 1 = Poisson)",
+    )
+    a.add_argument(
+        "--concurrency",
+        metavar="N",
+        type=_typed(_positive_int),
+        default=None,
+        help="closed loop: clients sending back to back; open loop: a cap on requests in flight",
+    )
     stop = a.add_mutually_exclusive_group()
-    stop.add_argument("--num-requests", metavar="N", type=_typed(_positive_int), default=None,
-                      help=f"measured requests (default {DEFAULT_NUM_REQUESTS})")
-    stop.add_argument("--duration", metavar="S", type=_typed(_finite_positive), default=None,
-                      help="seconds of measured sending (in-flight requests then finish)")
-    a.add_argument("--warmup", metavar="N|Ss", type=_typed(_warmup), default=(0, 0.0),
-                   help="N requests or Ss seconds sent first and left out of the results")
+    stop.add_argument(
+        "--num-requests",
+        metavar="N",
+        type=_typed(_positive_int),
+        default=None,
+        help=f"measured requests (default {DEFAULT_NUM_REQUESTS})",
+    )
+    stop.add_argument(
+        "--duration",
+        metavar="S",
+        type=_typed(_finite_positive),
+        default=None,
+        help="seconds of measured sending (in-flight requests then finish)",
+    )
+    a.add_argument(
+        "--warmup",
+        metavar="N|Ss",
+        type=_typed(_warmup),
+        default=(0, 0.0),
+        help="N requests or Ss seconds sent first and left out of the results",
+    )
     a.add_argument("--seed", metavar="N", type=int, default=0)
 
 
 def _add_result_flags(r: argparse._ArgumentGroup) -> None:
-    r.add_argument("--percentiles", metavar="P,P,...", type=_typed(parse_percentiles),
-                   default=DEFAULT_PERCENTILES, help="comma-separated, e.g. 50,90,95,99 (the default)")
-    r.add_argument("--slo", metavar="METRIC:MS,...", type=_typed(parse_slo), default=None,
-                   help="goodput SLOs in ms, e.g. ttft:200,itl:50 (ttft, tpot, itl, e2el)")
-    r.add_argument("--result-file", metavar="FILE", type=Path, default=None,
-                   help="write the result JSON here")
-    r.add_argument("--plot-dir", metavar="DIR", type=Path, default=None,
-                   help="write latency_cdf.png and throughput.png here")
-    r.add_argument("--label", metavar="NAME", default=None,
-                   help="the run's name in the result and in `loadgen compare`")
+    r.add_argument(
+        "--percentiles",
+        metavar="P,P,...",
+        type=_typed(parse_percentiles),
+        default=DEFAULT_PERCENTILES,
+        help="comma-separated, e.g. 50,90,95,99 (the default)",
+    )
+    r.add_argument(
+        "--slo",
+        metavar="METRIC:MS,...",
+        type=_typed(parse_slo),
+        default=None,
+        help="goodput SLOs in ms, e.g. ttft:200,itl:50 (ttft, tpot, itl, e2el)",
+    )
+    r.add_argument(
+        "--result-file", metavar="FILE", type=Path, default=None, help="write the result JSON here"
+    )
+    r.add_argument(
+        "--plot-dir",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="write latency_cdf.png and throughput.png here",
+    )
+    r.add_argument(
+        "--label", metavar="NAME", default=None, help="the run's name in the result and in `loadgen compare`"
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -253,26 +396,54 @@ def _run(args: argparse.Namespace) -> int:
     from loadgen.targets import TargetConfig, make_target
     from loadgen.workload import Workload, load_tokenizer
 
-    target = make_target(TargetConfig(
-        url=args.target, model=args.model, endpoint=args.endpoint, temperature=args.temperature,
-        ignore_eos=args.ignore_eos, stream_usage=not args.no_stream_usage, api_key=args.api_key,
-        request_timeout=args.request_timeout, connect_timeout=args.connect_timeout,
-        session_requests=args.session_requests, extra_body=args.extra_body,
-    ))
+    target = make_target(
+        TargetConfig(
+            url=args.target,
+            model=args.model,
+            endpoint=args.endpoint,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            stream_usage=not args.no_stream_usage,
+            api_key=args.api_key,
+            request_timeout=args.request_timeout,
+            connect_timeout=args.connect_timeout,
+            session_requests=args.session_requests,
+            extra_body=args.extra_body,
+        )
+    )
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    workload = Workload(WorkloadConfig(
-        dataset=args.dataset, dataset_path=args.dataset_path, input_len=args.input_len,
-        output_len=args.output_len,
-        prefix_groups=args.prefix_groups, prefix_len=args.prefix_len, long_share=args.long_share,
-        long_input_len=args.long_input_len, long_output_len=args.long_output_len, tenants=tuple(args.tenant),
-        api_key=args.api_key, max_total_len=args.max_total_len, seed=args.seed,
-    ), tokenizer, target.accepts_token_ids)
+    workload = Workload(
+        WorkloadConfig(
+            dataset=args.dataset,
+            dataset_path=args.dataset_path,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            prefix_groups=args.prefix_groups,
+            prefix_len=args.prefix_len,
+            long_share=args.long_share,
+            long_input_len=args.long_input_len,
+            long_output_len=args.long_output_len,
+            tenants=tuple(args.tenant),
+            api_key=args.api_key,
+            max_total_len=args.max_total_len,
+            seed=args.seed,
+        ),
+        tokenizer,
+        target.accepts_token_ids,
+    )
     warmup_requests, warmup_seconds = args.warmup
-    plan = RunPlan(arrival=args.arrival, rate=args.rate, burstiness=args.burstiness or 1.0,
-                   concurrency=args.concurrency, duration=args.duration,
-                   num_requests=args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS),
-                   warmup_requests=warmup_requests, warmup_seconds=warmup_seconds, seed=args.seed,
-                   progress=not args.no_progress)
+    plan = RunPlan(
+        arrival=args.arrival,
+        rate=args.rate,
+        burstiness=args.burstiness or 1.0,
+        concurrency=args.concurrency,
+        duration=args.duration,
+        num_requests=args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS),
+        warmup_requests=warmup_requests,
+        warmup_seconds=warmup_seconds,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
 
     async def go() -> tuple[str, list[RequestRecord]]:
@@ -288,11 +459,18 @@ def _run(args: argparse.Namespace) -> int:
             if record.ok and record.output_tokens is None:
                 record.output_tokens = len(tokenizer.encode(record.generated_text, add_special_tokens=False))
     info = RunInfo(
-        date=date, backend=target.backend, model_id=model_id, tokenizer_id=args.tokenizer,
+        date=date,
+        backend=target.backend,
+        model_id=model_id,
+        tokenizer_id=args.tokenizer,
         request_rate=math.inf if args.arrival == "closed" else args.rate,
         burstiness={"poisson": 1.0, "gamma": plan.burstiness}.get(args.arrival),
-        max_concurrency=args.concurrency, label=args.label, target=args.target, endpoint=args.endpoint,
-        num_warmup=sum(r.warmup for r in records), settings=_settings(args),
+        max_concurrency=args.concurrency,
+        label=args.label,
+        target=args.target,
+        endpoint=args.endpoint,
+        num_warmup=sum(r.warmup for r in records),
+        settings=_settings(args),
     )
     result = build_result(records, info, args.percentiles, args.slo)
     print(format_table(result, args.percentiles))
@@ -309,11 +487,28 @@ def _run(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run's flags as they go into the result's "loadgen" block."""
-    keys = ("dataset", "dataset_path", "input_len", "output_len", "prefix_groups", "prefix_len",
-            "long_share", "long_input_len", "long_output_len", "max_total_len", "arrival", "duration", "seed",
-            "temperature", "ignore_eos")
-    settings: dict[str, Any] = {k: v if v is None or isinstance(v, int | float | str) else str(v)
-                                for k in keys for v in [getattr(args, k)]}
+    keys = (
+        "dataset",
+        "dataset_path",
+        "input_len",
+        "output_len",
+        "prefix_groups",
+        "prefix_len",
+        "long_share",
+        "long_input_len",
+        "long_output_len",
+        "max_total_len",
+        "arrival",
+        "duration",
+        "seed",
+        "temperature",
+        "ignore_eos",
+    )
+    settings: dict[str, Any] = {
+        k: v if v is None or isinstance(v, int | float | str) else str(v)
+        for k in keys
+        for v in [getattr(args, k)]
+    }
     settings["warmup"] = {"requests": args.warmup[0], "seconds": args.warmup[1]}
     settings["tenants"] = [{"name": t.name, "share": t.share} for t in args.tenant]  # keys stay out of files
     return settings

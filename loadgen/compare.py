@@ -12,9 +12,21 @@ from typing import Any
 from loadgen.workload import LoadgenError
 
 DEFAULT_METRICS = (
-    "completed", "failed", "request_throughput", "request_goodput", "output_throughput",
-    "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
+    "completed",
+    "failed",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "p99_e2el_ms",
 )
 
 
@@ -50,8 +62,9 @@ def compare_rows(results: Sequence[dict[str, Any]], metrics: Sequence[str] | Non
     return [row for row in rows if row.metric not in missing]
 
 
-def run_labels(paths: Sequence[Path], results: Sequence[dict[str, Any]],
-               labels: Sequence[str] | None) -> list[str]:
+def run_labels(
+    paths: Sequence[Path], results: Sequence[dict[str, Any]], labels: Sequence[str] | None
+) -> list[str]:
     """``--labels`` if given, else each result's label, else its file name."""
     if labels:
         if len(labels) != len(paths):
@@ -110,7 +123,7 @@ def plot_compare(labels: Sequence[str], rows: Sequence[Row], path: Path) -> None
         ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
         ax.set_title(row.metric, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    for ax in list(axes.flat)[len(rows):]:
+    for ax in list(axes.flat)[len(rows) :]:
         ax.set_visible(False)
     fig.tight_layout()
     from loadgen.plots import save_figure

@@ -31,8 +31,10 @@ def _cdf(ax: Any, values_ms: list[float], label: str | None = None) -> None:
 def _latencies(result: dict[str, Any], tenant: str | None = None) -> dict[str, list[float]]:
     """Per-request TTFT and E2EL and pooled ITL in ms, of successful requests (of one tenant)."""
     tenants = result.get("tenants") or [None] * len(result["errors"])
-    keep = [not error and (tenant is None or t == tenant)
-            for error, t in zip(result["errors"], tenants, strict=True)]
+    keep = [
+        not error and (tenant is None or t == tenant)
+        for error, t in zip(result["errors"], tenants, strict=True)
+    ]
     ttfts = [t * 1000 for t, k in zip(result["ttfts"], keep, strict=True) if k]
     itls = [g * 1000 for gaps, k in zip(result["itls"], keep, strict=True) if k for g in gaps]
     e2els = [t * 1000 for t, k in zip(result.get("e2els", []), keep, strict=False) if k]

@@ -53,8 +53,10 @@ def format_table(result: dict[str, Any], percentiles: Sequence[float]) -> str:
         lines.append(_rule(f" {title} "))
         lines.append(_row(f"Mean {short} (ms):", result[f"mean_{key}_ms"]))
         lines.append(_row(f"Median {short} (ms):", result[f"median_{key}_ms"]))
-        lines += [_row(f"P{percentile_word(p)} {short} (ms):", result[f"p{percentile_word(p)}_{key}_ms"])
-                  for p in percentiles]
+        lines += [
+            _row(f"P{percentile_word(p)} {short} (ms):", result[f"p{percentile_word(p)}_{key}_ms"])
+            for p in percentiles
+        ]
     segments = result.get("baton_segments")
     if segments:
         top = f"p{percentile_word(max(percentiles))}"
@@ -66,8 +68,11 @@ def format_table(result: dict[str, Any], percentiles: Sequence[float]) -> str:
     for tenant, summary in (result.get("per_tenant") or {}).items():
         lines.append(_rule(f" Tenant {tenant} "))
         lines.append(_row("Successful / failed requests:", f"{summary['completed']} / {summary['failed']}"))
-        lines.append(_row("Mean / median TTFT (ms):",
-                          f"{summary['mean_ttft_ms']:.2f} / {summary['median_ttft_ms']:.2f}"))
+        lines.append(
+            _row(
+                "Mean / median TTFT (ms):", f"{summary['mean_ttft_ms']:.2f} / {summary['median_ttft_ms']:.2f}"
+            )
+        )
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
 

@@ -35,8 +35,9 @@ def parse_slo(text: str) -> dict[str, float]:
         except ValueError:
             ms = math.nan
         if not sep or name not in SLO_METRICS or not ms > 0 or math.isinf(ms):
-            raise ValueError(f"expected METRIC:MS with METRIC in {', '.join(SLO_METRICS)} and MS > 0, "
-                             f"got {item!r}")
+            raise ValueError(
+                f"expected METRIC:MS with METRIC in {', '.join(SLO_METRICS)} and MS > 0, got {item!r}"
+            )
         slo[name] = ms
     if not slo:
         raise ValueError("expected at least one METRIC:MS")
@@ -126,9 +127,12 @@ class RunInfo:
     settings: dict[str, Any] | None = None
 
 
-def build_result(records: Sequence[RequestRecord], info: RunInfo,
-                 percentiles: Sequence[float] = DEFAULT_PERCENTILES,
-                 slo: dict[str, float] | None = None) -> dict[str, Any]:
+def build_result(
+    records: Sequence[RequestRecord],
+    info: RunInfo,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+    slo: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """The result JSON of the measured (non-warm-up) records."""
     records = sorted((r for r in records if not r.warmup), key=lambda r: r.index)
     ok = [r for r in records if r.ok]
@@ -141,14 +145,24 @@ def build_result(records: Sequence[RequestRecord], info: RunInfo,
         return value / duration if duration > 0 else 0.0
 
     result: dict[str, Any] = {
-        "date": info.date, "backend": info.backend, "label": info.label, "model_id": info.model_id,
-        "tokenizer_id": info.tokenizer_id, "num_prompts": len(records),
+        "date": info.date,
+        "backend": info.backend,
+        "label": info.label,
+        "model_id": info.model_id,
+        "tokenizer_id": info.tokenizer_id,
+        "num_prompts": len(records),
         "request_rate": info.request_rate if math.isfinite(info.request_rate) else "inf",
-        "burstiness": info.burstiness, "max_concurrency": info.max_concurrency,
-        "duration": duration, "completed": len(ok), "failed": len(records) - len(ok),
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
-        "request_throughput": per_s(len(ok)), "request_goodput": per_s(good) if slo else None,
-        "output_throughput": per_s(total_output), "total_token_throughput": per_s(total_input + total_output),
+        "burstiness": info.burstiness,
+        "max_concurrency": info.max_concurrency,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": per_s(len(ok)),
+        "request_goodput": per_s(good) if slo else None,
+        "output_throughput": per_s(total_output),
+        "total_token_throughput": per_s(total_input + total_output),
         "max_output_tokens_per_s": _peak_tokens_per_s(ok, t0),
         "max_concurrent_requests": _peak_concurrency(records),
     }
@@ -168,16 +182,29 @@ def build_result(records: Sequence[RequestRecord], info: RunInfo,
     return result
 
 
-def _extras(records: Sequence[RequestRecord], ok: Sequence[RequestRecord], info: RunInfo, t0: float,
-            duration: float, percentiles: Sequence[float], slo: dict[str, float] | None) -> dict[str, Any]:
+def _extras(
+    records: Sequence[RequestRecord],
+    ok: Sequence[RequestRecord],
+    info: RunInfo,
+    t0: float,
+    duration: float,
+    percentiles: Sequence[float],
+    slo: dict[str, float] | None,
+) -> dict[str, Any]:
     """loadgen's keys beyond vLLM's (none of them is a vLLM name)."""
     extras: dict[str, Any] = {
         "e2els": [r.latency if r.ok else 0.0 for r in records],
         "start_times": [r.start - t0 for r in records],
         "errors_by_kind": dict(sorted(Counter(r.error_kind for r in records if not r.ok).items())),
         "throughput_timeline": throughput_timeline(records, t0, duration),
-        "loadgen": {"target": info.target, "endpoint": info.endpoint, "num_warmup": info.num_warmup,
-                    "percentiles": list(percentiles), "slo_ms": slo, **(info.settings or {})},
+        "loadgen": {
+            "target": info.target,
+            "endpoint": info.endpoint,
+            "num_warmup": info.num_warmup,
+            "percentiles": list(percentiles),
+            "slo_ms": slo,
+            **(info.settings or {}),
+        },
     }
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     if cached:
@@ -201,8 +228,11 @@ def _extras(records: Sequence[RequestRecord], ok: Sequence[RequestRecord], info:
 
 def _tenant_summary(records: Sequence[RequestRecord], percentiles: Sequence[float]) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
-    summary: dict[str, Any] = {"completed": len(ok), "failed": len(records) - len(ok),
-                               "total_output_tokens": sum(output_len(r) for r in ok)}
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_output_tokens": sum(output_len(r) for r in ok),
+    }
     summary |= stats("ttft", [r.ttft for r in ok], percentiles)
     summary |= stats("e2el", [r.latency for r in ok], percentiles)
     summary["mean_itl_ms"] = stats("itl", [g for r in ok for g in r.itl], ())["mean_itl_ms"]
@@ -220,8 +250,10 @@ def _peak_tokens_per_s(ok: Sequence[RequestRecord], t0: float) -> float:
 
 def _peak_concurrency(records: Sequence[RequestRecord]) -> int:
     """The most requests in flight at once."""
-    events = sorted([(r.start, 1) for r in records] + [(r.end or r.start, -1) for r in records],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted(
+        [(r.start, 1) for r in records] + [(r.end or r.start, -1) for r in records],
+        key=lambda e: (e[0], e[1]),
+    )
     running = peak = 0
     for _, step in events:
         running += step

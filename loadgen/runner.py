@@ -40,8 +40,14 @@ async def run_load(target: Target, workload: Workload, plan: RunPlan) -> list[Re
     specs = [workload.sample(i) for i in range(issue.total)] if issue.total is not None else []
     records: list[RequestRecord] = []
     limit = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
-    bar = tqdm(total=issue.total, disable=not plan.progress, unit="req", desc="loadgen", file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=issue.total,
+        disable=not plan.progress,
+        unit="req",
+        desc="loadgen",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
 
     def claim(now: float) -> tuple[RequestSpec, RequestRecord] | None:
         warmup = issue.take(now)

@@ -106,8 +106,9 @@ class HttpTarget:
         self.model = config.model or ""
 
     async def open(self) -> str:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout)
         try:
@@ -126,8 +127,12 @@ class HttpTarget:
         return self.model
 
     def _body(self, spec: RequestSpec) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": spec.output_len,
-                                "temperature": self.config.temperature, "stream": True}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": spec.output_len,
+            "temperature": self.config.temperature,
+            "stream": True,
+        }
         if self.config.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:
@@ -153,8 +158,11 @@ class HttpTarget:
                         return
                     await self._read_events(r, record)
         except TimeoutError:
-            record.fail("timeout", f"no complete response within {self.config.request_timeout:g} s",
-                        time.perf_counter())
+            record.fail(
+                "timeout",
+                f"no complete response within {self.config.request_timeout:g} s",
+                time.perf_counter(),
+            )
         except aiohttp.ClientError as e:
             record.fail("connection", _describe(e), time.perf_counter())
 
@@ -294,11 +302,14 @@ class GrpcTarget:
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         metadata = (("authorization", f"Bearer {self.config.api_key}"),) if self.config.api_key else ()
         try:
-            listed = await self._stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=metadata,
-                                                 timeout=self.config.connect_timeout)
+            listed = await self._stub.ListModels(
+                gateway_pb2.ListModelsRequest(), metadata=metadata, timeout=self.config.connect_timeout
+            )
         except grpc.aio.AioRpcError as e:
-            raise LoadgenError(f"cannot reach {self.config.url}: {e.code().name}: "
-                               f"{' '.join((e.details() or '').split())[:200]}") from None
+            raise LoadgenError(
+                f"cannot reach {self.config.url}: {e.code().name}: "
+                f"{' '.join((e.details() or '').split())[:200]}"
+            ) from None
         if not self.model and listed.models:
             self.model = listed.models[0].name  # "" (the gateway's default model) is also fine to send
         return self.model
@@ -339,8 +350,11 @@ class GrpcTarget:
                 while not await self._take(queue, record):
                     continue
         except TimeoutError:
-            record.fail("timeout", f"no complete response within {self.config.request_timeout:g} s",
-                        time.perf_counter())
+            record.fail(
+                "timeout",
+                f"no complete response within {self.config.request_timeout:g} s",
+                time.perf_counter(),
+            )
             await self._cancel(session, rid)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             kind = f"grpc:{e.code().name}" if isinstance(e, grpc.aio.AioRpcError) else "connection"

@@ -131,8 +131,9 @@ def estimate_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
-def load_sharegpt(path: Path, tokenizer: Tokenizer | None,
-                  max_total_len: int | None = None) -> list[Conversation]:
+def load_sharegpt(
+    path: Path, tokenizer: Tokenizer | None, max_total_len: int | None = None
+) -> list[Conversation]:
     """The usable conversations of a ShareGPT-format file: the first human turn and the gpt turn after it.
 
     Entries without such a pair are skipped (as vLLM does); a file that is not a JSON list of objects,
@@ -145,16 +146,20 @@ def load_sharegpt(path: Path, tokenizer: Tokenizer | None,
     except UnicodeDecodeError as e:
         raise LoadgenError(f"malformed ShareGPT file {str(path)!r}: not UTF-8 ({e.reason})") from None
     except json.JSONDecodeError as e:
-        raise LoadgenError(f"malformed ShareGPT file {str(path)!r}: not JSON ({e.msg} at line {e.lineno})"
-                           ) from None
+        raise LoadgenError(
+            f"malformed ShareGPT file {str(path)!r}: not JSON ({e.msg} at line {e.lineno})"
+        ) from None
     if not isinstance(data, list):
-        raise LoadgenError(f"malformed ShareGPT file {str(path)!r}: expected a JSON list of "
-                           f'{{"conversations": [...]}} objects, got {type(data).__name__}')
+        raise LoadgenError(
+            f"malformed ShareGPT file {str(path)!r}: expected a JSON list of "
+            f'{{"conversations": [...]}} objects, got {type(data).__name__}'
+        )
     conversations: list[Conversation] = []
     for i, entry in enumerate(data):
         if not isinstance(entry, dict):
-            raise LoadgenError(f"malformed ShareGPT file {str(path)!r}: entry {i} is {type(entry).__name__}, "
-                               "not an object")
+            raise LoadgenError(
+                f"malformed ShareGPT file {str(path)!r}: entry {i} is {type(entry).__name__}, not an object"
+            )
         pair = _first_exchange(entry.get("conversations"))
         if pair is None:
             continue
@@ -168,8 +173,10 @@ def load_sharegpt(path: Path, tokenizer: Tokenizer | None,
         conversations.append(Conversation(prompt, prompt_len, max(1, output_len)))
     if not conversations:
         limit = f", at most {max_total_len} tokens in all" if max_total_len else ""
-        raise LoadgenError(f"ShareGPT file {str(path)!r} has no usable conversation (a human turn followed "
-                           f"by a gpt turn{limit})")
+        raise LoadgenError(
+            f"ShareGPT file {str(path)!r} has no usable conversation (a human turn followed "
+            f"by a gpt turn{limit})"
+        )
     return conversations
 
 
@@ -228,10 +235,17 @@ class Workload:
             special = tokenizer.all_special_ids
             self._vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
         total_share = sum(t.share for t in config.tenants)
-        self._tenant_bounds = [sum(t.share for t in config.tenants[: i + 1]) / total_share
-                               for i in range(len(config.tenants))]
-        self._prefixes = [self._random_prompt(random.Random(f"{config.seed}:prefix:{g}"), config.prefix_len)
-                          for g in range(config.prefix_groups)] if config.prefix_len > 0 else []
+        self._tenant_bounds = [
+            sum(t.share for t in config.tenants[: i + 1]) / total_share for i in range(len(config.tenants))
+        ]
+        self._prefixes = (
+            [
+                self._random_prompt(random.Random(f"{config.seed}:prefix:{g}"), config.prefix_len)
+                for g in range(config.prefix_groups)
+            ]
+            if config.prefix_len > 0
+            else []
+        )
 
     def sample(self, index: int) -> RequestSpec:
         """The request at this position of the run (the same for the same seed and index)."""
@@ -282,8 +296,14 @@ class Workload:
         return fit_text(self._tokenizer, ids, num_tokens, rng, self._vocab), None
 
 
-def fit_text(tokenizer: Tokenizer, ids: Sequence[int], num_tokens: int, rng: random.Random,
-             vocab: Sequence[int], max_rounds: int = 8) -> str:
+def fit_text(
+    tokenizer: Tokenizer,
+    ids: Sequence[int],
+    num_tokens: int,
+    rng: random.Random,
+    vocab: Sequence[int],
+    max_rounds: int = 8,
+) -> str:
     """Text that re-encodes to ``num_tokens`` tokens (vLLM's random-dataset approach): decode, re-encode,
     truncate or pad with random ids, repeat. Usually exact; else within a few tokens."""
     text = tokenizer.decode(list(ids))

@@ -55,8 +55,14 @@ class PrefillHandoff:
         # One token here; min_tokens still applies to it (EOS is blocked if min_tokens >= 1).
         first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         more = params.max_tokens > 1 and len(prompt_token_ids) + 1 < self.engine.max_model_len
-        self.engine.add_request(request_id, prompt_token_ids, first, cache_salt=cache_salt, kv_lease_id=lease_id,
-                                continues_elsewhere=more)
+        self.engine.add_request(
+            request_id,
+            prompt_token_ids,
+            first,
+            cache_salt=cache_salt,
+            kv_lease_id=lease_id,
+            continues_elsewhere=more,
+        )
         self._prefilling[request_id] = _Prefilling(lease_id, params, len(prompt_token_ids))
 
     def complete(self, request_id: str, out: RequestOutput) -> KVHandle | None:
@@ -73,9 +79,13 @@ class PrefillHandoff:
         self.leases[p.lease_id] = expires_at
         self._lease_of[request_id] = p.lease_id
         return KVHandle(
-            source=self.transport.name, lease_id=p.lease_id, block_ids=tuple(self.engine.pinned_blocks(p.lease_id)),
-            num_tokens=p.num_prompt_tokens, block_size=self.engine.kv.block_size,
-            compat_hash=self.transport.layout.compat_hash, expires_at=expires_at,
+            source=self.transport.name,
+            lease_id=p.lease_id,
+            block_ids=tuple(self.engine.pinned_blocks(p.lease_id)),
+            num_tokens=p.num_prompt_tokens,
+            block_size=self.engine.kv.block_size,
+            compat_hash=self.transport.layout.compat_hash,
+            expires_at=expires_at,
         )
 
     def ends_at_first_token(self, out: RequestOutput, params: SamplingParams, num_prompt_tokens: int) -> bool:
@@ -93,7 +103,9 @@ class PrefillHandoff:
                 if out.request_id == request_id and out.finished:
                     handle = self.complete(request_id, out)
                     if handle is None:
-                        raise ServingError(f"request {request_id} finished at its first token; nothing to hand off")
+                        raise ServingError(
+                            f"request {request_id} finished at its first token; nothing to hand off"
+                        )
                     return out.token_ids[0], handle
 
     def abort(self, request_id: str) -> bool:

@@ -21,8 +21,9 @@ class PrefillRPC:
         self.shell = shell
         self.handoff = handoff
 
-    async def prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> worker_pb2.PrefillResponse:
+    async def prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
         shell, handoff = self.shell, self.handoff
         rid, ids, params = shell.parse(request.request_id, request.prompt_token_ids, request.sampling)
         t0 = time.monotonic()
@@ -48,7 +49,9 @@ class PrefillRPC:
         shell.metrics.prefill.observe(max(0.0, now - t0 - queue_s))
         resp = worker_pb2.PrefillResponse(
             first=delta_to_pb(out.token_ids[:1], out.text, out.logprobs),
-            usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1, cached_tokens=out.num_cached_tokens),
+            usage=common_pb2.Usage(
+                prompt_tokens=len(ids), completion_tokens=1, cached_tokens=out.num_cached_tokens
+            ),
             prefill_ms=(now - t0) * 1e3,
         )
         if handle is not None:

@@ -15,8 +15,15 @@ ROOT = Path(__file__).resolve().parent
 
 def main() -> int:
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "baton" / "v1").glob("*.proto"))
-    args = ["protoc", f"-I{ROOT}", f"-I{Path(protoc.__file__).parent / '_proto'}",
-            f"--python_out={ROOT}", f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}", *sources]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{Path(protoc.__file__).parent / '_proto'}",
+        f"--python_out={ROOT}",
+        f"--pyi_out={ROOT}",
+        f"--grpc_python_out={ROOT}",
+        *sources,
+    ]
     rc = protoc.main(args)
     if rc != 0:
         print(f"protoc failed ({rc})", file=sys.stderr)

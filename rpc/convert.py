@@ -13,8 +13,19 @@ from core.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
 
 _OPTIONAL_SCALARS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "ignore_eos", "logprobs", "skip_special_tokens",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
 )
 
 FINISH_TO_PB = {
@@ -38,11 +49,19 @@ def sampling_from_pb(msg: pb.SamplingParams, **overrides: Any) -> SamplingParams
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
-        max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
-        top_p=params.top_p, top_k=params.top_k, min_p=params.min_p, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        ignore_eos=params.ignore_eos, skip_special_tokens=params.skip_special_tokens,
-        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -53,8 +72,12 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
 
 def handle_to_pb(handle: KVHandle) -> pb.KVHandle:
     return pb.KVHandle(
-        source=handle.source, lease_id=handle.lease_id, block_ids=list(handle.block_ids),
-        num_tokens=handle.num_tokens, block_size=handle.block_size, compat_hash=handle.compat_hash,
+        source=handle.source,
+        lease_id=handle.lease_id,
+        block_ids=list(handle.block_ids),
+        num_tokens=handle.num_tokens,
+        block_size=handle.block_size,
+        compat_hash=handle.compat_hash,
         expires_at=handle.expires_at,
     )
 
@@ -63,16 +86,26 @@ def handle_from_pb(msg: pb.KVHandle) -> KVHandle:
     if not msg.source or not msg.lease_id or not msg.block_ids:
         raise InvalidRequest("a KV handle needs a source, a lease id and block ids")
     return KVHandle(
-        source=msg.source, lease_id=msg.lease_id, block_ids=tuple(msg.block_ids), num_tokens=msg.num_tokens,
-        block_size=msg.block_size, compat_hash=msg.compat_hash, expires_at=msg.expires_at,
+        source=msg.source,
+        lease_id=msg.lease_id,
+        block_ids=tuple(msg.block_ids),
+        num_tokens=msg.num_tokens,
+        block_size=msg.block_size,
+        compat_hash=msg.compat_hash,
+        expires_at=msg.expires_at,
     )
 
 
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(
-        model_digest=layout.model_digest, dtype=layout.dtype, block_size=layout.block_size,
-        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-        layout=layout.layout, baton_version=layout.baton_version,
+        model_digest=layout.model_digest,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        layout=layout.layout,
+        baton_version=layout.baton_version,
     )
 
 

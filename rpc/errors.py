@@ -116,8 +116,9 @@ def _retry_after(text: str | None, peer: str) -> float | None:
         return None
 
 
-def decode_status(code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str | bytes]] = (),
-                  peer: str = "") -> ServingError:
+def decode_status(
+    code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str | bytes]] = (), peer: str = ""
+) -> ServingError:
     """A status as the ServingError it carries: a typed status (``baton-error-type``) comes back as the
     same class with the same message; an untyped one as the base error of its code (INTERNAL and
     the codes not listed: `ServingError`)."""
@@ -140,8 +141,9 @@ def from_rpc_error(e: grpc.RpcError, peer: str = "") -> ServingError:
 
 def error_to_pb(error: ServingError) -> common_pb2.RequestError:
     """A request's error inside a multiplexed stream."""
-    msg = common_pb2.RequestError(code=grpc_code(error).value[0], message=error.message,
-                                  type=wire_name(type(error)))
+    msg = common_pb2.RequestError(
+        code=grpc_code(error).value[0], message=error.message, type=wire_name(type(error))
+    )
     if isinstance(error, CapacityExceeded):
         msg.retry_after_s = error.retry_after_s
     return msg
@@ -153,4 +155,3 @@ def error_from_pb(msg: common_pb2.RequestError) -> ServingError:
     if cls is None:
         cls = _BY_CODE.get(_BY_NUMBER.get(msg.code, grpc.StatusCode.UNKNOWN), ServingError)
     return _build(cls, msg.message, msg.retry_after_s if msg.HasField("retry_after_s") else None)
-

@@ -22,13 +22,29 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` seri
 
 # Request latencies (seconds); a request's segments and waits, often far below a step (an empty queue).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-SEGMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, 120.0)
+SEGMENT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 DEFAULT_MAX_TENANTS = 32  # tenants with a label value of their own, per process; the rest are "other"
 NONE = "none"  # a label whose value is not known (a request refused before it had a tenant)
 OTHER = "other"  # the tenants past the bound
-
 
 
 class BoundedLabel:
@@ -60,7 +76,9 @@ class MetricsEndpoint:
     each scrape, on the event loop: it reads what must be read at scrape time (off the engine thread and
     the request path; a scrape never blocks a request)."""
 
-    def __init__(self, registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         self.registry = registry
         self.refresh = refresh
         self.url = ""
@@ -93,7 +111,9 @@ class MetricsEndpoint:
                 await self.refresh()
             except Exception:  # a scrape shows what it has; the failure is in the log
                 log.exception("metrics refresh failed")
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
 
 class Forward(Collector):

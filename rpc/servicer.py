@@ -45,6 +45,7 @@ Deserializer = Callable[[type[Message]], Callable[[bytes], Any]]
 
 def strict_deserializer(cls: type[Message]) -> Callable[[bytes], Any]:
     """``cls.FromString``, but a message protobuf refuses becomes an `Undecodable` with its reason."""
+
     def deserialize(data: bytes) -> Message | Undecodable:
         try:
             return cls.FromString(data)
@@ -72,8 +73,12 @@ async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerConte
         yield request
 
 
-def _handler(method: MethodDescriptor, behaviour: Callable[..., Any], deserializer: Deserializer,
-             pass_undecodable: bool) -> grpc.RpcMethodHandler:
+def _handler(
+    method: MethodDescriptor,
+    behaviour: Callable[..., Any],
+    deserializer: Deserializer,
+    pass_undecodable: bool,
+) -> grpc.RpcMethodHandler:
     request_cls = message_factory.GetMessageClass(method.input_type)
     response_cls = message_factory.GetMessageClass(method.output_type)
     decode, encode = deserializer(request_cls), response_cls.SerializeToString
@@ -82,6 +87,7 @@ def _handler(method: MethodDescriptor, behaviour: Callable[..., Any], deserializ
         return requests if pass_undecodable else _checked(requests, context)
 
     if not method.client_streaming and not method.server_streaming:
+
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
                 await _refuse(context, request)
@@ -90,32 +96,41 @@ def _handler(method: MethodDescriptor, behaviour: Callable[..., Any], deserializ
             except Exception as e:
                 await _ended_by(context, e)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=decode,
-                                                   response_serializer=encode)
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, request_deserializer=decode, response_serializer=encode
+        )
     if not method.client_streaming:
+
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, Undecodable):
                 await _refuse(context, request)
             try:
-                async with contextlib.aclosing(behaviour(request, context)) as responses:  # its finally runs now
+                async with contextlib.aclosing(
+                    behaviour(request, context)
+                ) as responses:  # its finally runs now
                     async for response in responses:
                         yield response
             except Exception as e:
                 await _ended_by(context, e)
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=decode,
-                                                    response_serializer=encode)
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, request_deserializer=decode, response_serializer=encode
+        )
     if not method.server_streaming:
+
         async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             try:
                 return await behaviour(checked(requests, context), context)
             except Exception as e:
                 await _ended_by(context, e)
 
-        return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=decode,
-                                                    response_serializer=encode)
+        return grpc.stream_unary_rpc_method_handler(
+            stream_unary, request_deserializer=decode, response_serializer=encode
+        )
 
-    async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def stream_stream(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         try:
             async with contextlib.aclosing(behaviour(checked(requests, context), context)) as responses:
                 async for response in responses:
@@ -123,18 +138,26 @@ def _handler(method: MethodDescriptor, behaviour: Callable[..., Any], deserializ
         except Exception as e:
             await _ended_by(context, e)
 
-    return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=decode,
-                                                 response_serializer=encode)
+    return grpc.stream_stream_rpc_method_handler(
+        stream_stream, request_deserializer=decode, response_serializer=encode
+    )
 
 
-def add_servicer(servicer: object, server: grpc.aio.Server, service: ServiceDescriptor,
-                 deserializer: Deserializer = strict_deserializer, pass_undecodable: bool = False) -> None:
+def add_servicer(
+    servicer: object,
+    server: grpc.aio.Server,
+    service: ServiceDescriptor,
+    deserializer: Deserializer = strict_deserializer,
+    pass_undecodable: bool = False,
+) -> None:
     """Registers every method of ``service`` on ``servicer`` (its method of the same name), as the
     generated ``add_*Servicer_to_server`` does, with errors and malformed requests answered as above.
     ``deserializer``: how a request's bytes become a message or an `Undecodable` (the gateway names
     the field at fault); ``pass_undecodable``: a request *stream* hands its `Undecodable` messages to
     the servicer (which may fail that request alone) instead of ending the call."""
-    handlers = {method.name: _handler(method, getattr(servicer, method.name), deserializer, pass_undecodable)
-                for method in service.methods}
+    handlers = {
+        method.name: _handler(method, getattr(servicer, method.name), deserializer, pass_undecodable)
+        for method in service.methods
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

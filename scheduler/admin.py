@@ -26,13 +26,24 @@ def add_models_parser(sub: Any) -> None:
     p = sub.add_parser("models", help="list model versions, set rollout weights and shadow traffic")
     p.add_argument("--scheduler", default="127.0.0.1:50061", help="a scheduler's host:port")
     cmds = p.add_subparsers(dest="models_command", required=True)
-    ls = cmds.add_parser("list", help="versions with their weights and healthy workers, and how shadowed "
-                                      "candidates compare with the versions they shadow")
+    ls = cmds.add_parser(
+        "list",
+        help="versions with their weights and healthy workers, and how shadowed "
+        "candidates compare with the versions they shadow",
+    )
     ls.add_argument("model", nargs="?", default="")
-    ls.add_argument("--min-top1", type=float, default=DEFAULT_MIN_TOP1,
-                    help="flag a candidate whose top-1 agreement is below this (default: %(default)s)")
-    ls.add_argument("--max-kl", type=float, default=DEFAULT_MAX_KL,
-                    help="flag a candidate whose mean KL is above this, in nats (default: %(default)s)")
+    ls.add_argument(
+        "--min-top1",
+        type=float,
+        default=DEFAULT_MIN_TOP1,
+        help="flag a candidate whose top-1 agreement is below this (default: %(default)s)",
+    )
+    ls.add_argument(
+        "--max-kl",
+        type=float,
+        default=DEFAULT_MAX_KL,
+        help="flag a candidate whose mean KL is above this, in nats (default: %(default)s)",
+    )
     ls.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     ls.set_defaults(func=_run_models)
     st = cmds.add_parser("set", help="set rollout weights, e.g. `baton models set m v1=0.9 v2=0.1`")
@@ -65,8 +76,9 @@ async def _models(args: argparse.Namespace) -> int:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             if args.models_command == "list":
-                reply = await stub.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(model=args.model),
-                                                     timeout=10)
+                reply = await stub.ListModelVersions(
+                    scheduler_pb2.ListModelVersionsRequest(model=args.model), timeout=10
+                )
                 versions = list(reply.versions)
                 shadow = dict(reply.shadow)
                 share = dict(reply.shadow_share)
@@ -85,12 +97,27 @@ async def _models(args: argparse.Namespace) -> int:
     min_top1 = getattr(args, "min_top1", DEFAULT_MIN_TOP1)
     max_kl = getattr(args, "max_kl", DEFAULT_MAX_KL)
     if getattr(args, "json", False):
-        print(json.dumps({
-            "versions": [{"model": v.model, "version": v.version, "weight": v.weight, "workers": v.num_workers,
-                          "max_model_len": v.max_model_len} for v in versions],
-            "shadow": {m: {"version": v, "share": share.get(m, 0.0)} for m, v in shadow.items()},
-            "comparisons": [{**_comparison(c), "flagged": flagged(c, min_top1, max_kl)} for c in comparisons],
-        }, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "versions": [
+                        {
+                            "model": v.model,
+                            "version": v.version,
+                            "weight": v.weight,
+                            "workers": v.num_workers,
+                            "max_model_len": v.max_model_len,
+                        }
+                        for v in versions
+                    ],
+                    "shadow": {m: {"version": v, "share": share.get(m, 0.0)} for m, v in shadow.items()},
+                    "comparisons": [
+                        {**_comparison(c), "flagged": flagged(c, min_top1, max_kl)} for c in comparisons
+                    ],
+                },
+                sort_keys=True,
+            )
+        )
         return 0
     print(f"{'model':<28} {'version':<18} {'weight':>7} {'workers':>8} {'context':>8}")
     for v in versions:
@@ -98,14 +125,18 @@ async def _models(args: argparse.Namespace) -> int:
     for model, version in shadow.items():
         print(f"shadow: {model} -> {version} ({share.get(model, 0.0):.1%} of requests)")
     if comparisons:
-        print(f"\n{'candidate':<18} {'vs version':<18} {'requests':>8} {'identical':>9} {'greedy':>7} {'top-1':>7} "
-              f"{'KL':>8} {'TTFT ms':>15} {'ITL ms':>13}  verdict")
+        print(
+            f"\n{'candidate':<18} {'vs version':<18} {'requests':>8} {'identical':>9} {'greedy':>7} {'top-1':>7} "
+            f"{'KL':>8} {'TTFT ms':>15} {'ITL ms':>13}  verdict"
+        )
     for c in comparisons:
         verdict = flagged(c, min_top1, max_kl)
-        print(f"{c.shadow_version:<18} {c.primary_version:<18} {c.requests:>8} {c.identical:>9} "
-              f"{c.greedy_agreement:>7.3f} {c.top1_agreement:>7.3f} {c.mean_kl:>8.4f} "
-              f"{c.shadow_ttft_ms:>7.1f}/{c.primary_ttft_ms:<7.1f} {c.shadow_itl_ms:>6.1f}/{c.primary_itl_ms:<6.1f}  "
-              f"{'FLAGGED: ' + verdict if verdict else 'ok'}")
+        print(
+            f"{c.shadow_version:<18} {c.primary_version:<18} {c.requests:>8} {c.identical:>9} "
+            f"{c.greedy_agreement:>7.3f} {c.top1_agreement:>7.3f} {c.mean_kl:>8.4f} "
+            f"{c.shadow_ttft_ms:>7.1f}/{c.primary_ttft_ms:<7.1f} {c.shadow_itl_ms:>6.1f}/{c.primary_itl_ms:<6.1f}  "
+            f"{'FLAGGED: ' + verdict if verdict else 'ok'}"
+        )
     return 0
 
 
@@ -129,8 +160,15 @@ def add_tenants_parser(sub: Any) -> None:
     cmds = p.add_subparsers(dest="tenants_command", required=True)
     add = cmds.add_parser("add", help="create or replace a tenant")
     add.add_argument("name")
-    for flag, kind in (("requests-per-s", float), ("tokens-per-s", float), ("burst-s", float),
-                       ("max-concurrent", int), ("max-kv-blocks", int), ("max-queue-depth", int), ("weight", float)):
+    for flag, kind in (
+        ("requests-per-s", float),
+        ("tokens-per-s", float),
+        ("burst-s", float),
+        ("max-concurrent", int),
+        ("max-kv-blocks", int),
+        ("max-queue-depth", int),
+        ("weight", float),
+    ):
         add.add_argument(f"--{flag}", type=kind, default=None)
     add.add_argument("--share-prefix-cache", action="store_true")
     add.set_defaults(func=_run_tenants)
@@ -155,8 +193,11 @@ async def _tenants(args: argparse.Namespace) -> int:
     directory = TenantDirectory(client)
     try:
         if args.tenants_command == "add":
-            limits = {k: v for k, v in vars(args).items()
-                      if v is not None and k in TenantConfig.__dataclass_fields__ and k != "name"}
+            limits = {
+                k: v
+                for k, v in vars(args).items()
+                if v is not None and k in TenantConfig.__dataclass_fields__ and k != "name"
+            }
             await directory.add_tenant(TenantConfig(args.name, **limits))
         elif args.tenants_command == "add-key":
             await directory.add_api_key(args.key, args.tenant)

@@ -38,8 +38,9 @@ async def unless_store_down(call: Awaitable[T]) -> T:
         raise store_down(e) from e
 
 
-async def serve_calls(batches: AsyncIterator[pb.SchedulerCalls], handlers: Mapping[str, Handler]
-                      ) -> AsyncGenerator[pb.SchedulerReplies, None]:
+async def serve_calls(
+    batches: AsyncIterator[pb.SchedulerCalls], handlers: Mapping[str, Handler]
+) -> AsyncGenerator[pb.SchedulerReplies, None]:
     """A gateway's per-request calls on one stream: each runs as its own task (a Place may wait in
     the fair queue) and is answered when done, in any order; the replies ready when one is sent go
     out together. The stream ends once the client has half-closed it and every call is answered; if
@@ -57,8 +58,9 @@ async def serve_calls(batches: AsyncIterator[pb.SchedulerCalls], handlers: Mappi
             reply = pb.SchedulerReply(call_id=call_id, error=error_to_pb(store_down(e)))
         except Exception:  # a bug must not end the other calls of this gateway
             log.exception("scheduler call %s (%s) failed", call_id, kind)
-            reply = pb.SchedulerReply(call_id=call_id, error=error_to_pb(
-                ServingError(f"the scheduler failed on {kind}")))
+            reply = pb.SchedulerReply(
+                call_id=call_id, error=error_to_pb(ServingError(f"the scheduler failed on {kind}"))
+            )
         finally:
             running.pop(call_id, None)
         replies.put_nowait(reply)
@@ -71,18 +73,26 @@ async def serve_calls(batches: AsyncIterator[pb.SchedulerCalls], handlers: Mappi
                 task.cancel()
         elif kind is None or call.call_id in running:
             why = "names no call" if kind is None else "reuses the id of a call still running"
-            replies.put_nowait(pb.SchedulerReply(call_id=call.call_id, error=error_to_pb(
-                InvalidRequest(f"call {call.call_id} {why}"))))
+            replies.put_nowait(
+                pb.SchedulerReply(
+                    call_id=call.call_id, error=error_to_pb(InvalidRequest(f"call {call.call_id} {why}"))
+                )
+            )
         else:
-            task = running[call.call_id] = asyncio.create_task(answer(call.call_id, kind, getattr(call, kind)))
+            task = running[call.call_id] = asyncio.create_task(
+                answer(call.call_id, kind, getattr(call, kind))
+            )
             task.add_done_callback(functools.partial(abandoned, call.call_id))
 
     def abandoned(call_id: int, task: asyncio.Task[None]) -> None:
         """One reply per call, also for one cancelled (undone on the way out) before or while it ran."""
         if task.cancelled():
             running.pop(call_id, None)
-            replies.put_nowait(pb.SchedulerReply(call_id=call_id, error=error_to_pb(
-                RequestAborted(f"call {call_id} abandoned"))))
+            replies.put_nowait(
+                pb.SchedulerReply(
+                    call_id=call_id, error=error_to_pb(RequestAborted(f"call {call_id} abandoned"))
+                )
+            )
 
     async def read() -> None:
         try:

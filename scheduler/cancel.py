@@ -58,8 +58,14 @@ class CancellationBus:
     cancels it may have missed.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", ttl_s: float = 600.0,
-                 reconnect_min_s: float = 0.05, reconnect_max_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "baton:",
+        ttl_s: float = 600.0,
+        reconnect_min_s: float = 0.05,
+        reconnect_max_s: float = 2.0,
+    ) -> None:
         if ttl_s <= 0 or reconnect_min_s <= 0 or reconnect_max_s < reconnect_min_s:
             raise ValueError("ttl_s and reconnect_min_s must be positive, reconnect_max_s >= reconnect_min_s")
         self._redis = client
@@ -81,9 +87,10 @@ class CancellationBus:
         """Cancel a request cluster-wide; False if it was already cancelled (nothing is published again)."""
         now = time.time() if now is None else now
         message = json.dumps({"request_id": request_id, "reason": reason})
-        ok = await self._cancel(keys=[self._key(request_id), self._recent],
-                                args=[reason, round(self.ttl_s * 1000), repr(now), repr(now - self.ttl_s),
-                                      message, self.channel])
+        ok = await self._cancel(
+            keys=[self._key(request_id), self._recent],
+            args=[reason, round(self.ttl_s * 1000), repr(now), repr(now - self.ttl_s), message, self.channel],
+        )
         if ok:
             log.info("request %s cancelled (%s)", request_id, reason)
         return bool(ok)
@@ -124,8 +131,11 @@ class CancellationBus:
         # get_message, and the gap (whose messages are lost) would go unnoticed and unreplayed.
         pool = self._redis.connection_pool
         kwargs: dict[str, Any] = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-        return aioredis.Redis(connection_pool=aioredis.ConnectionPool(
-            connection_class=pool.connection_class, max_connections=2, **kwargs))
+        return aioredis.Redis(
+            connection_pool=aioredis.ConnectionPool(
+                connection_class=pool.connection_class, max_connections=2, **kwargs
+            )
+        )
 
     async def _run(self, callback: CancelCallback) -> None:
         delay = self._reconnect_min_s

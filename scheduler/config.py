@@ -25,4 +25,6 @@ class ClusterSchedulerConfig:
     max_decode_queue: int = 8
     local_when_prefill_full: bool = False
     light_local_max_tokens: int = 0  # a light tenant's prompt up to this long may prefill on D (0 = never)
-    burst_credit_tokens: float = 512.0  # fair queue: a light tenant's burst allowance, and the debt bound (scheduler.fairness)
+    burst_credit_tokens: float = (
+        512.0  # fair queue: a light tenant's burst allowance, and the debt bound (scheduler.fairness)
+    )

@@ -61,8 +61,12 @@ DEMAND_RESTART = 0.125  # a history whose decayed sum is below this share of a n
 LIGHT_SHARE = 0.5  # `is_light`: a tenant asking for less than this share of another waiting tenant's demand
 
 # ARGV[1] is the key prefix of the queue, ARGV[2] the time ('' = Redis server time).
-_LIB = (f"local TIE = {TIE!r}\nlocal HALF_LIFE = {DEMAND_HALF_LIFE_S!r}\n"
-        f"local MIN_WINDOW = {DEMAND_MIN_WINDOW_S!r}\nlocal RESTART = {DEMAND_RESTART!r}\n") + """
+_LIB = (
+    (
+        f"local TIE = {TIE!r}\nlocal HALF_LIFE = {DEMAND_HALF_LIFE_S!r}\n"
+        f"local MIN_WINDOW = {DEMAND_MIN_WINDOW_S!r}\nlocal RESTART = {DEMAND_RESTART!r}\n"
+    )
+    + """
 local base = ARGV[1]
 -- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
 local function num(x) return string.format('%.17g', x) end
@@ -124,9 +128,12 @@ local function reap()
   end
 end
 """
+)
 
 # ARGV: base, now, id, tenant, cost, timeout_s, weight, tenant max depth, global max depth, burst credit
-_ENQUEUE = _LIB + """
+_ENQUEUE = (
+    _LIB
+    + """
 reap()
 local id, tenant = ARGV[3], ARGV[4]
 local existing = redis.call('HGET', base .. 'entries', id)
@@ -181,9 +188,12 @@ redis.call('HSET', base .. 'entries', id, entry)
 reply[1] = entry
 return reply
 """
+)
 
 # ARGV: base, now, only ('' = whichever is next; else pop only if this id is next)
-_POP = _LIB + """
+_POP = (
+    _LIB
+    + """
 reap()
 while true do
   local top = redis.call('ZRANGE', base .. 'active', 0, 0)
@@ -212,9 +222,12 @@ while true do
   if head[1] then redis.call('ZREM', q, head[1]) else deactivate(tenant) end
 end
 """
+)
 
 # ARGV: base, now, tenant, tokens / weight
-_CHARGE = _LIB + """
+_CHARGE = (
+    _LIB
+    + """
 local counter = redis.call('HINCRBYFLOAT', base .. 'vtc', ARGV[3], ARGV[4])
 -- An admission that did not wait is demand too (a negative correction is not).
 if tonumber(ARGV[4]) > 0 then add_demand(ARGV[3], tonumber(ARGV[4])) end
@@ -223,10 +236,13 @@ if redis.call('ZSCORE', base .. 'active', ARGV[3]) then
 end
 return counter
 """
+)
 
 # ARGV: base, now, tenant, share. Light: another waiting tenant (of the first 16 in the fair order), or the
 # last one that stopped waiting, asked for more than its demand / share recently.
-_LIGHT = _LIB + """
+_LIGHT = (
+    _LIB
+    + """
 local mine = demand(ARGV[3]) or 0
 local others = redis.call('ZRANGE', base .. 'active', 0, 15)
 table.insert(others, redis.call('GET', base .. 'floor_tenant') or ARGV[3])
@@ -235,17 +251,24 @@ for _, other in ipairs(others) do
 end
 return 0
 """
+)
 
 # ARGV: base, now, id
-_REMOVE = _LIB + """
+_REMOVE = (
+    _LIB
+    + """
 return drop(ARGV[3]) or false
 """
+)
 
 # ARGV: base, now
-_REAP = _LIB + """
+_REAP = (
+    _LIB
+    + """
 reap()
 return reply
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,9 +297,16 @@ class FairQueue:
     Redis server time (seconds), for tests.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", name: str = "default",
-                 max_depth: int = 10_000, retry_after_s: float = 1.0,
-                 clock: Callable[[], float] | None = None, burst_credit_tokens: float = 0.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "baton:",
+        name: str = "default",
+        max_depth: int = 10_000,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] | None = None,
+        burst_credit_tokens: float = 0.0,
+    ) -> None:
         if max_depth < 1:
             raise ValueError("max_depth must be at least 1")
         if burst_credit_tokens < 0:
@@ -306,24 +336,40 @@ class FairQueue:
         self._expired.extend(QueuedRequest.from_json(text) for text in reply[1:])
         return reply[0]
 
-    async def enqueue(self, tenant: TenantConfig, request_id: str, cost_tokens: int,
-                      timeout_s: float) -> QueuedRequest:
+    async def enqueue(
+        self, tenant: TenantConfig, request_id: str, cost_tokens: int, timeout_s: float
+    ) -> QueuedRequest:
         """Put a request at the back of its tenant's line; `CapacityExceeded` when the tenant's line or
         the whole queue is full. Enqueueing an id that is already waiting returns it unchanged."""
         if cost_tokens < 0 or not timeout_s > 0:
             raise ValueError("cost_tokens must not be negative and timeout_s must be positive")
-        status = self._collect(await self._enqueue(keys=self._keys, args=self._args(
-            request_id, tenant.name, cost_tokens, repr(float(timeout_s)), repr(tenant.weight),
-            tenant.max_queue_depth, self.max_depth, repr(self.burst_credit_tokens))))
+        status = self._collect(
+            await self._enqueue(
+                keys=self._keys,
+                args=self._args(
+                    request_id,
+                    tenant.name,
+                    cost_tokens,
+                    repr(float(timeout_s)),
+                    repr(tenant.weight),
+                    tenant.max_queue_depth,
+                    self.max_depth,
+                    repr(self.burst_credit_tokens),
+                ),
+            )
+        )
         if status.startswith("full:"):
             raise CapacityExceeded(
                 f"the waiting queue is full ({status[5:]} requests waiting); retry after "
-                f"{self.retry_after_s:g} s", retry_after_s=self.retry_after_s)
+                f"{self.retry_after_s:g} s",
+                retry_after_s=self.retry_after_s,
+            )
         if status.startswith("tenant_full:"):
             raise CapacityExceeded(
                 f"tenant {tenant.name!r} already has {status[12:]} requests waiting "
                 f"(max_queue_depth={tenant.max_queue_depth}); retry after {self.retry_after_s:g} s",
-                retry_after_s=self.retry_after_s)
+                retry_after_s=self.retry_after_s,
+            )
         return QueuedRequest.from_json(status)
 
     async def pop_next(self) -> QueuedRequest | None:

@@ -165,10 +165,17 @@ class Lease:
 
 
 def _parse_lease(row: dict[str, str]) -> Lease:
-    return Lease(lease_id=row["lease_id"], request_id=row["request_id"], prefill_worker=row["prefill_worker"],
-                 decode_worker=row["decode_worker"], num_blocks=int(row["num_blocks"]),
-                 state=LeaseState(row["state"]), created_at=float(row["created_at"]),
-                 expires_at=float(row["expires_at"]), updated_at=float(row["updated_at"]))
+    return Lease(
+        lease_id=row["lease_id"],
+        request_id=row["request_id"],
+        prefill_worker=row["prefill_worker"],
+        decode_worker=row["decode_worker"],
+        num_blocks=int(row["num_blocks"]),
+        state=LeaseState(row["state"]),
+        created_at=float(row["created_at"]),
+        expires_at=float(row["expires_at"]),
+        updated_at=float(row["updated_at"]),
+    )
 
 
 def _pairs_to_dict(flat: list[str]) -> dict[str, str]:
@@ -182,8 +189,13 @@ class LeaseLedger:
     never raise for that: a late or duplicate release from a worker is normal, not an error.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", retention_s: float = 300.0,
-                 pipe: RedisPipe | None = None) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "baton:",
+        retention_s: float = 300.0,
+        pipe: RedisPipe | None = None,
+    ) -> None:
         if retention_s <= 0:
             raise ValueError("retention_s must be positive")
         self._redis = client
@@ -206,8 +218,16 @@ class LeaseLedger:
     def _state_key(self, state: LeaseState) -> str:
         return f"{self._prefix}leases:{state.value}"
 
-    async def create(self, lease_id: str, request_id: str, prefill_worker: str, decode_worker: str,
-                     num_blocks: int, ttl_s: float, now: float | None = None) -> Lease | None:
+    async def create(
+        self,
+        lease_id: str,
+        request_id: str,
+        prefill_worker: str,
+        decode_worker: str,
+        num_blocks: int,
+        ttl_s: float,
+        now: float | None = None,
+    ) -> Lease | None:
         """Record a new PINNED lease expiring ``ttl_s`` from now; None if ``lease_id`` already exists."""
         if ttl_s <= 0 or num_blocks < 0:
             raise ValueError("ttl_s must be positive and num_blocks non-negative")
@@ -215,31 +235,80 @@ class LeaseLedger:
         expires_at = now + ttl_s
         safety_ms = round((ttl_s + self.retention_s) * 1000)
         ok = await self._create(
-            keys=[self._lease_key(lease_id), self._state_key(LeaseState.PINNED), self._totals,
-                  self._end_key(lease_id), self._state_key(LeaseState.RELEASED), self._state_key(LeaseState.ABORTED)],
-            args=[lease_id, request_id, prefill_worker, decode_worker, num_blocks, repr(now), repr(expires_at),
-                  safety_ms, repr(now - self.retention_s), self._retention_ms])
+            keys=[
+                self._lease_key(lease_id),
+                self._state_key(LeaseState.PINNED),
+                self._totals,
+                self._end_key(lease_id),
+                self._state_key(LeaseState.RELEASED),
+                self._state_key(LeaseState.ABORTED),
+            ],
+            args=[
+                lease_id,
+                request_id,
+                prefill_worker,
+                decode_worker,
+                num_blocks,
+                repr(now),
+                repr(expires_at),
+                safety_ms,
+                repr(now - self.retention_s),
+                self._retention_ms,
+            ],
+        )
         if not ok:
             log.warning("lease %s for request %s already exists", lease_id, request_id)
             return None
         if ok == 2:  # its end was reported first
             lease = await self.get(lease_id)
-            log.info("lease %s of request %s pinned after its end was reported: recorded as %s", lease_id,
-                     request_id, lease.state.value if lease is not None else "ended")
+            log.info(
+                "lease %s of request %s pinned after its end was reported: recorded as %s",
+                lease_id,
+                request_id,
+                lease.state.value if lease is not None else "ended",
+            )
             return lease
-        log.info("lease %s pinned: request %s, %d blocks on %s for %s, ttl %.1fs", lease_id, request_id,
-                 num_blocks, prefill_worker, decode_worker, ttl_s)
-        return Lease(lease_id, request_id, prefill_worker, decode_worker, num_blocks, LeaseState.PINNED,
-                     now, expires_at, now)
+        log.info(
+            "lease %s pinned: request %s, %d blocks on %s for %s, ttl %.1fs",
+            lease_id,
+            request_id,
+            num_blocks,
+            prefill_worker,
+            decode_worker,
+            ttl_s,
+        )
+        return Lease(
+            lease_id,
+            request_id,
+            prefill_worker,
+            decode_worker,
+            num_blocks,
+            LeaseState.PINNED,
+            now,
+            expires_at,
+            now,
+        )
 
     async def _move(self, lease_id: str, target: LeaseState, now: float | None) -> bool:
         now = time.time() if now is None else now
         ok = await self._transition(
-            keys=[self._lease_key(lease_id), self._state_key(LeaseState.PINNED),
-                  self._state_key(LeaseState.PULLING), self._state_key(target), self._totals,
-                  self._end_key(lease_id)],
-            args=[lease_id, target.value, repr(now), repr(now - self.retention_s), self._retention_ms,
-                  *(source.value for source in _SOURCES[target])])
+            keys=[
+                self._lease_key(lease_id),
+                self._state_key(LeaseState.PINNED),
+                self._state_key(LeaseState.PULLING),
+                self._state_key(target),
+                self._totals,
+                self._end_key(lease_id),
+            ],
+            args=[
+                lease_id,
+                target.value,
+                repr(now),
+                repr(now - self.retention_s),
+                self._retention_ms,
+                *(source.value for source in _SOURCES[target]),
+            ],
+        )
         if ok:
             log.info("lease %s %s", lease_id, target.value)
         else:
@@ -266,15 +335,34 @@ class LeaseLedger:
         tells its prefill worker to free the blocks. A full batch means: call again.
         """
         now = time.time() if now is None else now
-        rows = cast(list[list[str]], await self._expire_due(
-            keys=[self._state_key(LeaseState.PINNED), self._state_key(LeaseState.PULLING),
-                  self._state_key(LeaseState.EXPIRED), self._totals],
-            args=[repr(now), repr(now - self.retention_s), self._retention_ms, limit,
-                  f"{self._prefix}lease:"]))
+        rows = cast(
+            list[list[str]],
+            await self._expire_due(
+                keys=[
+                    self._state_key(LeaseState.PINNED),
+                    self._state_key(LeaseState.PULLING),
+                    self._state_key(LeaseState.EXPIRED),
+                    self._totals,
+                ],
+                args=[
+                    repr(now),
+                    repr(now - self.retention_s),
+                    self._retention_ms,
+                    limit,
+                    f"{self._prefix}lease:",
+                ],
+            ),
+        )
         leases = [_parse_lease(_pairs_to_dict(row)) for row in rows]
         for lease in leases:
-            log.warning("lease %s expired: request %s, %d blocks on %s never released by %s", lease.lease_id,
-                        lease.request_id, lease.num_blocks, lease.prefill_worker, lease.decode_worker)
+            log.warning(
+                "lease %s expired: request %s, %d blocks on %s never released by %s",
+                lease.lease_id,
+                lease.request_id,
+                lease.num_blocks,
+                lease.prefill_worker,
+                lease.decode_worker,
+            )
         return leases
 
     async def get(self, lease_id: str) -> Lease | None:
@@ -308,6 +396,9 @@ class LeaseLedger:
     async def stranded_blocks(self, now: float | None = None) -> int:
         """Blocks of leases past their expiry but still PINNED/PULLING: should read zero after each reap."""
         now = time.time() if now is None else now
-        return int(await self._stranded(keys=[self._state_key(LeaseState.PINNED),
-                                              self._state_key(LeaseState.PULLING)],
-                                        args=[repr(now), f"{self._prefix}lease:"]))
+        return int(
+            await self._stranded(
+                keys=[self._state_key(LeaseState.PINNED), self._state_key(LeaseState.PULLING)],
+                args=[repr(now), f"{self._prefix}lease:"],
+            )
+        )

@@ -22,7 +22,9 @@ class Lookups:
     replica that set them (`rollout_changed`) and within 50 ms on the others. The list of models is
     re-read at most once a second, and at once after a registration here (`models_changed`)."""
 
-    def __init__(self, config: ClusterSchedulerConfig, tenants: TenantDirectory, catalog: ModelCatalog) -> None:
+    def __init__(
+        self, config: ClusterSchedulerConfig, tenants: TenantDirectory, catalog: ModelCatalog
+    ) -> None:
         self._config = config
         self._tenants = tenants
         self._catalog = catalog
@@ -60,9 +62,17 @@ class Lookups:
         name = self._config.default_tenant
         if name and await self._tenants.get_tenant(name) is None:
             # Anonymous traffic of a single-team cluster: limited by capacity, not by a quota.
-            await self._tenants.add_tenant(TenantConfig(
-                name, requests_per_s=1e6, tokens_per_s=1e9, burst_s=1.0, max_concurrent=100_000,
-                max_kv_blocks=10**9, max_queue_depth=10_000))
+            await self._tenants.add_tenant(
+                TenantConfig(
+                    name,
+                    requests_per_s=1e6,
+                    tokens_per_s=1e9,
+                    burst_s=1.0,
+                    max_concurrent=100_000,
+                    max_kv_blocks=10**9,
+                    max_queue_depth=10_000,
+                )
+            )
             log.info("default tenant %r (re)created", name)
 
     async def catalog_view(self, name: str) -> tuple[str, dict[str, float], tuple[str | None, float]]:

@@ -12,12 +12,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -37,20 +32,25 @@ DECISION_SECONDS = Histogram(
     "baton_scheduler_decision_seconds",
     "Place: received -> answered, fair-queue wait included, by outcome (prefill_pool, local_prefill, or the "
     "refusal's gRPC code).",
-    ["outcome"], buckets=DECISION_BUCKETS, registry=REGISTRY,
+    ["outcome"],
+    buckets=DECISION_BUCKETS,
+    registry=REGISTRY,
 )
 DECISIONS = Counter(
     "baton_scheduler_decisions",
     "Place calls answered, by model, version, tenant and outcome (prefill_pool, local_prefill, or the "
     "refusal's gRPC code: RESOURCE_EXHAUSTED for a quota or a queue timeout, UNAUTHENTICATED, NOT_FOUND, "
     "UNAVAILABLE, CANCELLED when the gateway gave up).",
-    ["model", "version", "tenant", "outcome"], registry=REGISTRY,
+    ["model", "version", "tenant", "outcome"],
+    registry=REGISTRY,
 )
 QUEUE_WAIT_SECONDS = Histogram(
     "baton_scheduler_queue_wait_seconds",
     "Time a Place waited in the tenant-fair queue for worker capacity (only those that waited), by tenant "
     "and outcome (placed, timeout, abandoned).",
-    ["tenant", "outcome"], buckets=DECISION_BUCKETS, registry=REGISTRY,
+    ["tenant", "outcome"],
+    buckets=DECISION_BUCKETS,
+    registry=REGISTRY,
 )
 
 
@@ -67,8 +67,14 @@ def place_outcome(placed_with_prefill: bool | None, error: BaseException | None 
     return "UNAVAILABLE" if isinstance(error, RedisError) else "INTERNAL"
 
 
-def record_place(seconds: float, model: str, tenant: str = "", version: str = "",
-                 placed_with_prefill: bool | None = None, error: BaseException | None = None) -> None:
+def record_place(
+    seconds: float,
+    model: str,
+    tenant: str = "",
+    version: str = "",
+    placed_with_prefill: bool | None = None,
+    error: BaseException | None = None,
+) -> None:
     """One Place answered (``error`` None) or refused: its latency and its outcome."""
     outcome = place_outcome(placed_with_prefill, error)
     DECISION_SECONDS.labels(outcome).observe(seconds)
@@ -90,7 +96,9 @@ class ClusterState:
     stranded_blocks: int = 0
     queue_depth: int = 0  # requests in the fair queue, every replica's
     waiting_here: int = 0  # this replica's requests in the fair queue
-    workers: dict[tuple[str, str, str, str], int] = field(default_factory=dict)  # (model, version, role, state)
+    workers: dict[tuple[str, str, str, str], int] = field(
+        default_factory=dict
+    )  # (model, version, role, state)
 
 
 class ClusterStateCollector(Collector):
@@ -103,29 +111,41 @@ class ClusterStateCollector(Collector):
         s = self.state
         up = GaugeMetricFamily("baton_scheduler_redis_up", "1 when the last scrape could read Redis, else 0.")
         up.add_metric([], 1.0 if s.redis_up else 0.0)
-        here = GaugeMetricFamily("baton_scheduler_queue_waiting", "This replica's Place calls waiting in the queue.")
+        here = GaugeMetricFamily(
+            "baton_scheduler_queue_waiting", "This replica's Place calls waiting in the queue."
+        )
         here.add_metric([], s.waiting_here)
         if not s.redis_up:  # no cluster-wide series rather than zeros that look real
             return [up, here]
-        active = GaugeMetricFamily("baton_scheduler_leases_active",
-                                   "KV leases held now (cluster-wide), by state (pinned, pulling).", labels=["state"])
+        active = GaugeMetricFamily(
+            "baton_scheduler_leases_active",
+            "KV leases held now (cluster-wide), by state (pinned, pulling).",
+            labels=["state"],
+        )
         for state in ("pinned", "pulling"):
             active.add_metric([state], s.leases_active.get(state, 0))
         total = CounterMetricFamily(
             "baton_scheduler_leases",
             "KV leases that entered each state since Redis started (cluster-wide): pinned (created), pulling, "
-            "released, expired, aborted.", labels=["state"])
+            "released, expired, aborted.",
+            labels=["state"],
+        )
         for state in ("pinned", "pulling", "released", "expired", "aborted"):
             total.add_metric([state], s.leases_total.get(state, 0))
-        stranded = GaugeMetricFamily("baton_scheduler_stranded_blocks",
-                                     "KV blocks of leases past their expiry and not yet reaped (should read 0).")
+        stranded = GaugeMetricFamily(
+            "baton_scheduler_stranded_blocks",
+            "KV blocks of leases past their expiry and not yet reaped (should read 0).",
+        )
         stranded.add_metric([], s.stranded_blocks)
-        depth = GaugeMetricFamily("baton_scheduler_queue_depth",
-                                  "Requests waiting in the tenant-fair queue, every replica's.")
+        depth = GaugeMetricFamily(
+            "baton_scheduler_queue_depth", "Requests waiting in the tenant-fair queue, every replica's."
+        )
         depth.add_metric([], s.queue_depth)
-        workers = GaugeMetricFamily("baton_scheduler_workers",
-                                    "Live registered workers by model, version, role and state (serving, draining).",
-                                    labels=["model", "version", "role", "state"])
+        workers = GaugeMetricFamily(
+            "baton_scheduler_workers",
+            "Live registered workers by model, version, role and state (serving, draining).",
+            labels=["model", "version", "role", "state"],
+        )
         for key, n in sorted(s.workers.items()):
             workers.add_metric(list(key), n)
         return [up, active, total, stranded, depth, here, workers]

@@ -98,12 +98,18 @@ class Placer:
         """None when the request's new blocks do not fit in the worker's free blocks."""
         return self._decode_cost_of(num_prompt_blocks, num_blocks_needed)(c)
 
-    def _decode_cost_of(self, num_prompt_blocks: int, num_blocks_needed: int) -> Callable[[Candidate], float | None]:
+    def _decode_cost_of(
+        self, num_prompt_blocks: int, num_blocks_needed: int
+    ) -> Callable[[Candidate], float | None]:
         """`decode_cost` for one request, with its per-request terms looked up once (it runs for every
         decode worker at every decision)."""
         p = self.policy
-        max_queue, queue_weight, hint, overlap_weight = (p.max_decode_queue, p.queue_weight,
-                                                         max(1, p.max_running_hint), p.overlap_weight)
+        max_queue, queue_weight, hint, overlap_weight = (
+            p.max_decode_queue,
+            p.queue_weight,
+            max(1, p.max_running_hint),
+            p.overlap_weight,
+        )
 
         def cost(c: Candidate) -> float | None:
             new_blocks = max(0, num_blocks_needed - c.hit_blocks)
@@ -141,8 +147,11 @@ class Placer:
         best = 0.0
         for c in decode_pool:
             cost = cost_of(c)
-            if (cost is not None and (decode is None or cost < best or (cost == best and c.address < decode.address))
-                    and c.address not in exclude):
+            if (
+                cost is not None
+                and (decode is None or cost < best or (cost == best and c.address < decode.address))
+                and c.address not in exclude
+            ):
                 decode, best = c, cost
         if decode is None:
             raise NoCapacity("no decode worker has room for this request now")
@@ -153,7 +162,9 @@ class Placer:
         slots = self.policy.max_prefill_queue + (1 if light and self.policy.light_prefill_slot else 0)
         open_ = [c for c in prefills if c.running + c.waiting < slots]
         if not open_:
-            if self.policy.local_when_prefill_full or (light and left_on_decode <= self.policy.light_local_max_tokens):
+            if self.policy.local_when_prefill_full or (
+                light and left_on_decode <= self.policy.light_local_max_tokens
+            ):
                 return Placement(None, decode, best)  # conditional disaggregation: prefill on D
             raise NoCapacity("every prefill worker's queue is full")
         prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))

@@ -79,9 +79,17 @@ class Decider:
     """Decides one replica's `Place` calls. Its collaborators are the replica's own (shared with the
     servicer): the pure ``placer``, the registry ``snapshot``, the ``quota`` ledger, the fair ``queue``."""
 
-    def __init__(self, config: ClusterSchedulerConfig, placer: Placer, lookups: Lookups,
-                 snapshot: RegistrySnapshot, registry: WorkerRegistry, quota: QuotaLedger, queue: FairQueue,
-                 client: aioredis.Redis) -> None:
+    def __init__(
+        self,
+        config: ClusterSchedulerConfig,
+        placer: Placer,
+        lookups: Lookups,
+        snapshot: RegistrySnapshot,
+        registry: WorkerRegistry,
+        quota: QuotaLedger,
+        queue: FairQueue,
+        client: aioredis.Redis,
+    ) -> None:
         self._config = config
         self._placer = placer
         self._lookups = lookups
@@ -93,11 +101,15 @@ class Decider:
         self._recent: dict[str, RecentPlacements] = {}  # worker → this replica's placements on it
         # worker → (the view and the count of placements it was built from, its candidate without hits)
         self._candidates: dict[str, tuple[WorkerView, int, Candidate]] = {}
-        self._split: dict[str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]] = {}  # see _by_version
+        self._split: dict[
+            str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]
+        ] = {}  # see _by_version
         self._waiting_here = 0  # requests of this replica in the fair queue
         self._claim = asyncio.Lock()  # one waiter at a time turns seen room into a placement
         self._load_changed = asyncio.Event()  # set (and replaced) when a heartbeat here changes a load
-        self._uncharged: dict[str, tuple[TenantConfig, float]] = {}  # tenant → tokens admitted, not yet charged
+        self._uncharged: dict[
+            str, tuple[TenantConfig, float]
+        ] = {}  # tenant → tokens admitted, not yet charged
 
     @property
     def waiting_here(self) -> int:
@@ -118,8 +130,13 @@ class Decider:
             metrics.record_place(time.perf_counter() - t0, request.model, error=e)
             raise
         resp.decision_ms = (time.perf_counter() - t0) * 1e3
-        metrics.record_place(resp.decision_ms / 1e3, request.model, resp.tenant, resp.version,
-                             placed_with_prefill=resp.HasField("prefill_worker"))
+        metrics.record_place(
+            resp.decision_ms / 1e3,
+            request.model,
+            resp.tenant,
+            resp.version,
+            placed_with_prefill=resp.HasField("prefill_worker"),
+        )
         return resp
 
     async def _place(self, request: pb.PlaceRequest) -> pb.PlaceResponse:
@@ -143,7 +160,9 @@ class Decider:
             raise Unavailable(f"no other healthy decode worker serves model {model!r}")
         if not request.resume:
             try:
-                await self._quota.admit(tenant, request.request_id, len(ids), request.max_tokens, blocks_needed)
+                await self._quota.admit(
+                    tenant, request.request_id, len(ids), request.max_tokens, blocks_needed
+                )
             except (asyncio.CancelledError, RedisError):
                 # Given up mid-call, or the reply lost (a timeout, a dropped connection): the charge may
                 # have landed all the same. Finish is idempotent; if Redis is down it fails too, and the
@@ -152,15 +171,21 @@ class Decider:
                     await asyncio.shield(self._quota.finish(tenant, request.request_id, len(ids), 0))
                 raise
         try:
-            placement = await self._place_or_wait(model, version, tenant, request, chain, len(ids), block_size,
-                                                  blocks_needed)
+            placement = await self._place_or_wait(
+                model, version, tenant, request, chain, len(ids), block_size, blocks_needed
+            )
         except BaseException:
             if not request.resume:  # nothing was served: give the quota back
                 await self._quota.finish(tenant, request.request_id, len(ids), 0)
             raise
-        resp = pb.PlaceResponse(tenant=tenant.name, version=version, cache_salt=salt,
-                                decode_worker=placement.decode.address,
-                                prefix_hit_blocks=placement.decode.hit_blocks, lease_ttl_s=self._config.lease_ttl_s)
+        resp = pb.PlaceResponse(
+            tenant=tenant.name,
+            version=version,
+            cache_salt=salt,
+            decode_worker=placement.decode.address,
+            prefix_hit_blocks=placement.decode.hit_blocks,
+            lease_ttl_s=self._config.lease_ttl_s,
+        )
         if placement.prefill is not None:
             resp.prefill_worker = placement.prefill.address
         await self._add_shadow(resp, model, request.request_id, shadow)
@@ -183,7 +208,9 @@ class Decider:
         self._split[model] = (snapshot, pools)
         return pools
 
-    async def pools(self, model: str, version: str, chain: list[str]) -> tuple[list[Candidate], list[Candidate]]:
+    async def pools(
+        self, model: str, version: str, chain: list[str]
+    ) -> tuple[list[Candidate], list[Candidate]]:
         """The (decode, prefill) candidates of a model version for a request with this hash chain."""
         decode, prefill = self._by_version(model, await self._snapshot.workers(model)).get(version, ([], []))
         return self._pool(decode, chain), self._pool(prefill, chain)
@@ -213,8 +240,17 @@ class Decider:
         if kept is not None and kept[0] is view and kept[1] == added:
             return kept[2]
         blocks, requests = recent.since(load.timestamp - IN_TRANSIT_S) if recent is not None else (0, 0)
-        c = Candidate(r.address, r.role, r.num_blocks, max(0, load.free_blocks - blocks), load.running,
-                      load.waiting + requests, load.transfers, 0, load.timestamp)
+        c = Candidate(
+            r.address,
+            r.role,
+            r.num_blocks,
+            max(0, load.free_blocks - blocks),
+            load.running,
+            load.waiting + requests,
+            load.transfers,
+            0,
+            load.timestamp,
+        )
         self._candidates[r.address] = (view, added, c)
         return c
 
@@ -231,7 +267,10 @@ class Decider:
     def note_placement(self, placement: Placement, blocks: int) -> None:
         """Counts a placement against its workers (``blocks`` new blocks on the decode worker)."""
         now = time.time()  # the clock of WorkerLoad.timestamp: this replica's, when the load arrived
-        for c, n_blocks in ((placement.decode, max(0, blocks - placement.decode.hit_blocks)), (placement.prefill, 0)):
+        for c, n_blocks in (
+            (placement.decode, max(0, blocks - placement.decode.hit_blocks)),
+            (placement.prefill, 0),
+        ):
             if c is not None:
                 recent = self._recent.get(c.address)
                 if recent is None:
@@ -239,8 +278,15 @@ class Decider:
                 recent.add(now, n_blocks)
 
     async def _place_or_wait(
-        self, model: str, version: str, tenant: TenantConfig, request: pb.PlaceRequest, chain: list[str],
-        num_prompt_tokens: int, block_size: int, blocks_needed: int,
+        self,
+        model: str,
+        version: str,
+        tenant: TenantConfig,
+        request: pb.PlaceRequest,
+        chain: list[str],
+        num_prompt_tokens: int,
+        block_size: int,
+        blocks_needed: int,
     ) -> Placement:
         """Places the request now if there is room and nobody waits; otherwise it waits in the
         tenant-fair queue, re-reading the workers' load, and goes when there is room *and* it is the
@@ -250,7 +296,9 @@ class Decider:
         config = self._config
 
         def place(pools: tuple[list[Candidate], list[Candidate]], light: bool = False) -> Placement:
-            return self._placer.place(*pools, num_prompt_tokens, request.max_tokens, block_size, exclude, light)
+            return self._placer.place(
+                *pools, num_prompt_tokens, request.max_tokens, block_size, exclude, light
+            )
 
         why = "others are waiting"
         if not self._waiting_here:  # with others waiting, a newcomer queues too: the fair order decides
@@ -277,8 +325,9 @@ class Decider:
         try:
             # A light tenant's prompt need not wait for a heavier one's prefill (scheduler.placement).
             policy = self._placer.policy
-            light = ((policy.light_prefill_slot or policy.light_local_max_tokens > 0)
-                     and await self._queue.is_light(tenant.name))
+            light = (
+                policy.light_prefill_slot or policy.light_local_max_tokens > 0
+            ) and await self._queue.is_light(tenant.name)
             look_now = light  # it may find its room at once (a prefill slot more, or the decode worker)
             while time.monotonic() < deadline:
                 if not look_now:
@@ -293,8 +342,13 @@ class Decider:
                     await self.flush_charges()
                     if await self._queue.pop_if_next(rid) or await self._client.delete(ready_key):
                         self.note_placement(placement, blocks_needed)
-                        log.debug("request %s (tenant %s) waited %.0f ms (%s)", rid, tenant.name,
-                                  (time.monotonic() - t0) * 1e3, why)
+                        log.debug(
+                            "request %s (tenant %s) waited %.0f ms (%s)",
+                            rid,
+                            tenant.name,
+                            (time.monotonic() - t0) * 1e3,
+                            why,
+                        )
                         waited = "placed"
                         return placement
                     stalled += 1
@@ -304,11 +358,16 @@ class Decider:
                         stalled = 0
                         head = await self._queue.pop_next()
                         if head is not None:
-                            await self._client.set(f"{config.prefix}fq:ready:{head.request_id}", "1",
-                                                   ex=max(1, math.ceil(config.queue_timeout_s)))
+                            await self._client.set(
+                                f"{config.prefix}fq:ready:{head.request_id}",
+                                "1",
+                                ex=max(1, math.ceil(config.queue_timeout_s)),
+                            )
             waited = "timeout"
             raise CapacityExceeded(
-                f"no worker capacity for {config.queue_timeout_s:g} s (queue wait timed out)", retry_after_s=1.0)
+                f"no worker capacity for {config.queue_timeout_s:g} s (queue wait timed out)",
+                retry_after_s=1.0,
+            )
         finally:
             metrics.record_queue_wait(time.monotonic() - t0, tenant.name, waited)
             self._waiting_here -= 1
@@ -321,8 +380,9 @@ class Decider:
         for tenant, tokens in pending.values():
             await self._queue.charge(tenant, tokens)
 
-    async def _add_shadow(self, resp: pb.PlaceResponse, model: str, request_id: str,
-                          shadow: tuple[str | None, float]) -> None:
+    async def _add_shadow(
+        self, resp: pb.PlaceResponse, model: str, request_id: str, shadow: tuple[str | None, float]
+    ) -> None:
         shadow_version, share = shadow
         if not shadow_version or shadow_version == resp.version or not in_shadow(request_id, share):
             return

@@ -33,7 +33,9 @@ from scheduler.tenants import TenantConfig
 _EPS = 1e-3
 
 # Shared by the scripts below. KEYS: 1 bucket, 2 inflight, 3 charges, 4 kv.
-_LIB = f"local EPS = {_EPS!r}\n" + """
+_LIB = (
+    f"local EPS = {_EPS!r}\n"
+    + """
 -- Numbers as text at full precision (Lua's own conversion keeps 14 digits: 0.1 ms of a Unix time).
 local function num(x) return string.format('%.17g', x) end
 
@@ -77,9 +79,12 @@ local function store(now, r, t, ttl_ms)
   redis.call('PEXPIRE', KEYS[1], ttl_ms)
 end
 """
+)
 
 # ARGV: now, id, tokens, kv_blocks, rrate, rcap, trate, tcap, max_concurrent, max_kv, ttl_s, bucket_ttl_ms
-_ADMIT = _LIB + """
+_ADMIT = (
+    _LIB
+    + """
 local now = clock(ARGV[1])
 local id, tokens, blocks = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local rrate, rcap, trate, tcap = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -106,9 +111,12 @@ local ttl_ms = math.ceil(tonumber(ARGV[11]) * 1000) + 1000
 for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ttl_ms) end
 return {'ok', num(expiry)}
 """
+)
 
 # ARGV: now, id, tokens used, rrate, rcap, trate, tcap, bucket_ttl_ms
-_FINISH = _LIB + """
+_FINISH = (
+    _LIB
+    + """
 local now = clock(ARGV[1])
 prune(now)
 local charge = redis.call('HGET', KEYS[3], ARGV[2])
@@ -126,14 +134,18 @@ if refund > 0 then
 end
 return refund
 """
+)
 
 # ARGV: now, rrate, rcap, trate, tcap
-_USAGE = _LIB + """
+_USAGE = (
+    _LIB
+    + """
 local now = clock(ARGV[1])
 local concurrent, kv = prune(now)
 local r, t = levels(now, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))
 return {tostring(concurrent), tostring(kv), num(r), num(t)}
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +181,15 @@ class QuotaLedger:
     this connection instead of ``client`` (scheduler.redis_pipe: a quarter of a decision's CPU).
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", request_ttl_s: float = 3600.0,
-                 busy_retry_after_s: float = 1.0, clock: Callable[[], float] | None = None,
-                 pipe: RedisPipe | None = None) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "baton:",
+        request_ttl_s: float = 3600.0,
+        busy_retry_after_s: float = 1.0,
+        clock: Callable[[], float] | None = None,
+        pipe: RedisPipe | None = None,
+    ) -> None:
         if request_ttl_s <= 0:
             raise ValueError("request_ttl_s must be positive")
         self._prefix = prefix
@@ -194,8 +212,9 @@ class QuotaLedger:
         # From empty, a bucket is full again after burst_s: past that, its absence means the same.
         return math.ceil(tenant.burst_s * 1000) + 1000
 
-    async def admit(self, tenant: TenantConfig, request_id: str, prompt_tokens: int, max_tokens: int,
-                    kv_blocks: int) -> Admission:
+    async def admit(
+        self, tenant: TenantConfig, request_id: str, prompt_tokens: int, max_tokens: int, kv_blocks: int
+    ) -> Admission:
         """Charge one request, ``prompt_tokens + max_tokens`` tokens and ``kv_blocks`` against the
         tenant's limits, all or nothing. Raises `CapacityExceeded` naming every limit that refused, with
         a retry-after; `InvalidRequest` if the request could never fit the tenant's quota."""
@@ -205,62 +224,108 @@ class QuotaLedger:
         if tokens > tenant.token_burst:
             raise InvalidRequest(
                 f"the request needs {tokens} tokens (prompt + max_tokens) but tenant {tenant.name!r} may "
-                f"spend at most {tenant.token_burst:.0f} at once; lower max_tokens")
+                f"spend at most {tenant.token_burst:.0f} at once; lower max_tokens"
+            )
         if kv_blocks > tenant.max_kv_blocks:
             raise InvalidRequest(
                 f"the request needs {kv_blocks} KV blocks but tenant {tenant.name!r} may hold at most "
-                f"{tenant.max_kv_blocks}; send a shorter prompt or lower max_tokens")
-        reply = await self._admit(keys=self._keys(tenant.name), args=[
-            self._now(), request_id, tokens, kv_blocks, repr(tenant.requests_per_s),
-            repr(tenant.request_burst), repr(tenant.tokens_per_s), repr(tenant.token_burst),
-            tenant.max_concurrent, tenant.max_kv_blocks, repr(self.request_ttl_s),
-            self._bucket_ttl_ms(tenant)])
+                f"{tenant.max_kv_blocks}; send a shorter prompt or lower max_tokens"
+            )
+        reply = await self._admit(
+            keys=self._keys(tenant.name),
+            args=[
+                self._now(),
+                request_id,
+                tokens,
+                kv_blocks,
+                repr(tenant.requests_per_s),
+                repr(tenant.request_burst),
+                repr(tenant.tokens_per_s),
+                repr(tenant.token_burst),
+                tenant.max_concurrent,
+                tenant.max_kv_blocks,
+                repr(self.request_ttl_s),
+                self._bucket_ttl_ms(tenant),
+            ],
+        )
         if reply[0] == "ok":
             return Admission(tenant.name, request_id, tokens, kv_blocks, float(reply[1]))
         if reply[0] == "dup":
-            return Admission(tenant.name, request_id, int(reply[2]), int(reply[3]), float(reply[1]),
-                             already_admitted=True)
+            return Admission(
+                tenant.name, request_id, int(reply[2]), int(reply[3]), float(reply[1]), already_admitted=True
+            )
         concurrent, kv_used = int(reply[1]), int(reply[2])
         raise self._refusal(tenant, tokens, kv_blocks, concurrent, kv_used, float(reply[3]), float(reply[4]))
 
-    def _refusal(self, tenant: TenantConfig, tokens: int, kv_blocks: int, concurrent: int, kv_used: int,
-                 requests_available: float, tokens_available: float) -> CapacityExceeded:
+    def _refusal(
+        self,
+        tenant: TenantConfig,
+        tokens: int,
+        kv_blocks: int,
+        concurrent: int,
+        kv_used: int,
+        requests_available: float,
+        tokens_available: float,
+    ) -> CapacityExceeded:
         reasons: list[str] = []
         waits: list[float] = []
         if concurrent >= tenant.max_concurrent:
             reasons.append(f"{concurrent} requests in flight (max_concurrent={tenant.max_concurrent})")
             waits.append(self.busy_retry_after_s)
         if kv_used + kv_blocks > tenant.max_kv_blocks:
-            reasons.append(f"{kv_used} KV blocks held and {kv_blocks} more requested "
-                           f"(max_kv_blocks={tenant.max_kv_blocks})")
+            reasons.append(
+                f"{kv_used} KV blocks held and {kv_blocks} more requested "
+                f"(max_kv_blocks={tenant.max_kv_blocks})"
+            )
             waits.append(self.busy_retry_after_s)
         if requests_available + _EPS < 1:
             reasons.append(f"request rate over {tenant.requests_per_s:g}/s")
             waits.append((1 - requests_available) / tenant.requests_per_s)
         if tokens_available + _EPS < tokens:
-            reasons.append(f"token rate over {tenant.tokens_per_s:g}/s ({tokens} tokens requested, "
-                           f"{tokens_available:.0f} available)")
+            reasons.append(
+                f"token rate over {tenant.tokens_per_s:g}/s ({tokens} tokens requested, "
+                f"{tokens_available:.0f} available)"
+            )
             waits.append((tokens - tokens_available) / tenant.tokens_per_s)
         # Retrying before the longest wait would only be refused again.
         retry_after_s = max(waits, default=self.busy_retry_after_s)
-        return CapacityExceeded(f"tenant {tenant.name!r} is over quota: {'; '.join(reasons)}; "
-                                f"retry after {retry_after_s:.2f} s", retry_after_s=retry_after_s)
+        return CapacityExceeded(
+            f"tenant {tenant.name!r} is over quota: {'; '.join(reasons)}; retry after {retry_after_s:.2f} s",
+            retry_after_s=retry_after_s,
+        )
 
-    async def finish(self, tenant: TenantConfig, request_id: str, prompt_tokens: int,
-                     completion_tokens: int) -> int | None:
+    async def finish(
+        self, tenant: TenantConfig, request_id: str, prompt_tokens: int, completion_tokens: int
+    ) -> int | None:
         """Release a request's slot and KV blocks and refund the tokens it was charged but did not use.
 
         Returns the tokens refunded, or None if the request is not in flight (finished already, never
         admitted or expired): finishing is idempotent.
         """
-        refund = await self._finish(keys=self._keys(tenant.name), args=[
-            self._now(), request_id, prompt_tokens + completion_tokens, repr(tenant.requests_per_s),
-            repr(tenant.request_burst), repr(tenant.tokens_per_s), repr(tenant.token_burst),
-            self._bucket_ttl_ms(tenant)])
+        refund = await self._finish(
+            keys=self._keys(tenant.name),
+            args=[
+                self._now(),
+                request_id,
+                prompt_tokens + completion_tokens,
+                repr(tenant.requests_per_s),
+                repr(tenant.request_burst),
+                repr(tenant.tokens_per_s),
+                repr(tenant.token_burst),
+                self._bucket_ttl_ms(tenant),
+            ],
+        )
         return None if int(refund) < 0 else int(refund)
 
     async def usage(self, tenant: TenantConfig) -> TenantUsage:
-        reply = await self._usage(keys=self._keys(tenant.name), args=[
-            self._now(), repr(tenant.requests_per_s), repr(tenant.request_burst), repr(tenant.tokens_per_s),
-            repr(tenant.token_burst)])
+        reply = await self._usage(
+            keys=self._keys(tenant.name),
+            args=[
+                self._now(),
+                repr(tenant.requests_per_s),
+                repr(tenant.request_burst),
+                repr(tenant.tokens_per_s),
+                repr(tenant.token_burst),
+            ],
+        )
         return TenantUsage(tenant.name, int(reply[0]), int(reply[1]), float(reply[2]), float(reply[3]))

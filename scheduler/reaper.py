@@ -23,8 +23,14 @@ log = logging.getLogger(__name__)
 class Reaper:
     """One replica's reaper; any number of replicas may run one at once."""
 
-    def __init__(self, config: ClusterSchedulerConfig, lookups: Lookups, decider: Decider, leases: LeaseLedger,
-                 registry: WorkerRegistry) -> None:
+    def __init__(
+        self,
+        config: ClusterSchedulerConfig,
+        lookups: Lookups,
+        decider: Decider,
+        leases: LeaseLedger,
+        registry: WorkerRegistry,
+    ) -> None:
         self._config = config
         self._lookups = lookups
         self._decider = decider
@@ -51,7 +57,8 @@ class Reaper:
         """Asks a prefill worker to free an expired lease's blocks (`Worker.Abort`)."""
         try:
             async with grpc.aio.insecure_channel(address) as channel:
-                await worker_pb2_grpc.WorkerStub(channel).Abort(worker_pb2.AbortRequest(request_id=request_id),
-                                                                timeout=2.0)
+                await worker_pb2_grpc.WorkerStub(channel).Abort(
+                    worker_pb2.AbortRequest(request_id=request_id), timeout=2.0
+                )
         except grpc.aio.AioRpcError as e:  # a dead worker's blocks died with it
             log.info("reaper: could not reach %s to free %s: %s", address, request_id, e.details())

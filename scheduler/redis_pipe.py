@@ -89,7 +89,9 @@ class _Protocol(asyncio.Protocol):
                 continue
             if isinstance(reply, hiredis.ReplyError):
                 message = str(reply)
-                waiter.set_exception(rx.NoScriptError(message) if message.startswith("NOSCRIPT") else rx.ResponseError(message))
+                waiter.set_exception(
+                    rx.NoScriptError(message) if message.startswith("NOSCRIPT") else rx.ResponseError(message)
+                )
             elif isinstance(reply, rx.ResponseError):
                 waiter.set_exception(reply)
             else:

@@ -51,8 +51,21 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [redis_binary(), "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
-                "--dir", self._dir, "--protected-mode", "no"]
+        args = [
+            redis_binary(),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir,
+            "--protected-mode",
+            "no",
+        ]
         with open(self._log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -66,7 +79,9 @@ class RedisServer:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     tail = self._log_path.read_text(errors="replace")[-2000:]
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start on {self.host}:{self.port}:\n{tail}") from None
+                    raise RuntimeError(
+                        f"redis-server did not start on {self.host}:{self.port}:\n{tail}"
+                    ) from None
                 time.sleep(0.02)
 
     def stop(self) -> None:

@@ -159,7 +159,9 @@ class WorkerView:
 
     record: WorkerRecord
     load: WorkerLoad
-    drain_requested: bool = False  # set by `WorkerRegistry.set_draining`, independent of the worker's own flag
+    drain_requested: bool = (
+        False  # set by `WorkerRegistry.set_draining`, independent of the worker's own flag
+    )
 
     @property
     def worker_id(self) -> str:
@@ -171,28 +173,68 @@ class WorkerView:
 
 
 def _load_fields(load: WorkerLoad) -> list[str]:
-    return ["free_blocks", str(load.free_blocks), "running", str(load.running), "waiting", str(load.waiting),
-            "transfers", str(load.transfers), "leases", str(load.leases),
-            "draining", "1" if load.draining else "0", "timestamp", repr(load.timestamp)]
+    return [
+        "free_blocks",
+        str(load.free_blocks),
+        "running",
+        str(load.running),
+        "waiting",
+        str(load.waiting),
+        "transfers",
+        str(load.transfers),
+        "leases",
+        str(load.leases),
+        "draining",
+        "1" if load.draining else "0",
+        "timestamp",
+        repr(load.timestamp),
+    ]
 
 
 def _record_fields(record: WorkerRecord) -> list[str]:
-    return ["worker_id", record.worker_id, "role", record.role, "model", record.model,
-            "version", record.version, "address", record.address, "num_blocks", str(record.num_blocks),
-            "block_size", str(record.block_size), "max_model_len", str(record.max_model_len),
-            "kv_backend", record.kv_backend]
+    return [
+        "worker_id",
+        record.worker_id,
+        "role",
+        record.role,
+        "model",
+        record.model,
+        "version",
+        record.version,
+        "address",
+        record.address,
+        "num_blocks",
+        str(record.num_blocks),
+        "block_size",
+        str(record.block_size),
+        "max_model_len",
+        str(record.max_model_len),
+        "kv_backend",
+        record.kv_backend,
+    ]
 
 
 def _parse_view(row: dict[str, str]) -> WorkerView:
     record = WorkerRecord(
-        worker_id=row["worker_id"], role=cast(WorkerRole, row["role"]), model=row["model"],
-        version=row["version"], address=row["address"], num_blocks=int(row["num_blocks"]),
-        block_size=int(row["block_size"]), max_model_len=int(row["max_model_len"]),
-        kv_backend=row["kv_backend"])
+        worker_id=row["worker_id"],
+        role=cast(WorkerRole, row["role"]),
+        model=row["model"],
+        version=row["version"],
+        address=row["address"],
+        num_blocks=int(row["num_blocks"]),
+        block_size=int(row["block_size"]),
+        max_model_len=int(row["max_model_len"]),
+        kv_backend=row["kv_backend"],
+    )
     load = WorkerLoad(
-        free_blocks=int(row["free_blocks"]), running=int(row["running"]), waiting=int(row["waiting"]),
-        transfers=int(row["transfers"]), leases=int(row["leases"]), draining=row["draining"] == "1",
-        timestamp=float(row["timestamp"]))
+        free_blocks=int(row["free_blocks"]),
+        running=int(row["running"]),
+        waiting=int(row["waiting"]),
+        transfers=int(row["transfers"]),
+        leases=int(row["leases"]),
+        draining=row["draining"] == "1",
+        timestamp=float(row["timestamp"]),
+    )
     return WorkerView(record=record, load=load, drain_requested=row.get("drain_requested") == "1")
 
 
@@ -211,7 +253,9 @@ class WorkerRegistry:
     heartbeat returns False its registration expired (or was removed) and it must `register` again.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:", heartbeat_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str = "baton:", heartbeat_timeout_s: float = 3.0
+    ) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be positive")
         self._redis = client
@@ -232,20 +276,34 @@ class WorkerRegistry:
     def _prefix_key(self, worker_id: str) -> str:
         return f"{self._prefix}prefix:{worker_id}"
 
-    async def register(self, record: WorkerRecord, load: WorkerLoad,
-                       cached_hashes: Sequence[str] | None = None) -> None:
+    async def register(
+        self, record: WorkerRecord, load: WorkerLoad, cached_hashes: Sequence[str] | None = None
+    ) -> None:
         """(Re)register a worker: a new incarnation, so its prefix set and the drain flag start empty."""
         fields = [*_record_fields(record), *_load_fields(load), "drain_requested", "0"]
-        await self._register(keys=[self._worker_key(record.worker_id), self._prefix_key(record.worker_id),
-                                   self._index, self._gen_key],
-                             args=[self._ttl_ms, record.worker_id, *fields])
+        await self._register(
+            keys=[
+                self._worker_key(record.worker_id),
+                self._prefix_key(record.worker_id),
+                self._index,
+                self._gen_key,
+            ],
+            args=[self._ttl_ms, record.worker_id, *fields],
+        )
         if cached_hashes:
             await self.heartbeat(record.worker_id, load, cached_hashes)
-        log.info("worker %s registered: role=%s model=%s version=%s blocks=%d", record.worker_id, record.role,
-                 record.model, record.version, record.num_blocks)
+        log.info(
+            "worker %s registered: role=%s model=%s version=%s blocks=%d",
+            record.worker_id,
+            record.role,
+            record.model,
+            record.version,
+            record.num_blocks,
+        )
 
-    async def heartbeat(self, worker_id: str, load: WorkerLoad,
-                        cached_hashes: Sequence[str] | None = None) -> bool:
+    async def heartbeat(
+        self, worker_id: str, load: WorkerLoad, cached_hashes: Sequence[str] | None = None
+    ) -> bool:
         """Refresh the worker's TTL and load; with ``cached_hashes`` also replace its published prefix set.
 
         Returns False if the worker is unknown or expired: it must `register` again.
@@ -255,8 +313,9 @@ class WorkerRegistry:
         args: list[str | int] = [self._ttl_ms, "1" if replace else "0", len(fields), *fields]
         if cached_hashes:
             args.extend(cached_hashes)
-        ok = await self._heartbeat(keys=[self._worker_key(worker_id), self._prefix_key(worker_id), self._gen_key],
-                                   args=args)
+        ok = await self._heartbeat(
+            keys=[self._worker_key(worker_id), self._prefix_key(worker_id), self._gen_key], args=args
+        )
         return bool(ok)
 
     async def deregister(self, worker_id: str) -> None:
@@ -293,8 +352,13 @@ class WorkerRegistry:
         rows: list[dict[str, str]] = await pipe.execute()
         return [_parse_view(row) for row in rows if row]
 
-    async def healthy(self, model: str, version: str | None = None, roles: Collection[str] | None = None,
-                      include_draining: bool = False) -> list[WorkerView]:
+    async def healthy(
+        self,
+        model: str,
+        version: str | None = None,
+        roles: Collection[str] | None = None,
+        include_draining: bool = False,
+    ) -> list[WorkerView]:
         """Live workers that may take new work for ``model`` (and ``version``, if given).
 
         ``roles``: keep workers that serve any of them (a "both" worker serves prefill and decode).
@@ -316,7 +380,9 @@ class WorkerRegistry:
         """Drop expired workers from the index; returns their ids (for a log line or a metric)."""
         gone = cast(list[str], await self._sweep(keys=[self._index], args=[f"{self._prefix}worker:"]))
         for worker_id in gone:
-            log.warning("worker %s missed its heartbeats for %.1fs: evicted", worker_id, self.heartbeat_timeout_s)
+            log.warning(
+                "worker %s missed its heartbeats for %.1fs: evicted", worker_id, self.heartbeat_timeout_s
+            )
         return gone
 
     async def snapshot_with_prefixes(
@@ -326,13 +392,23 @@ class WorkerRegistry:
         round trip. ``known`` (worker id → what the caller holds of it) saves sending and parsing what
         did not change: a record whose load timestamp it holds, a set of the generation it holds."""
         known = known or {}
-        raw = cast(list[Any], await self._snapshot_sets(
-            keys=[self._index], args=[f"{self._prefix}worker:", f"{self._prefix}prefix:", model, json.dumps(
-                {k: [w.prefix_gen, repr(w.view.load.timestamp)] for k, w in known.items()}) if known else "{}"]))
+        raw = cast(
+            list[Any],
+            await self._snapshot_sets(
+                keys=[self._index],
+                args=[
+                    f"{self._prefix}worker:",
+                    f"{self._prefix}prefix:",
+                    model,
+                    json.dumps({k: [w.prefix_gen, repr(w.view.load.timestamp)] for k, w in known.items()})
+                    if known
+                    else "{}",
+                ],
+            ),
+        )
         rows = []
         for i in range(0, len(raw), 4):
-            worker_id, fields, gen, held = raw[i:i + 4]
+            worker_id, fields, gen, held = raw[i : i + 4]
             view = known[worker_id].view if fields == 0 else _parse_view(json.loads(fields))
             rows.append((view, gen, known[worker_id].held if held == 0 else frozenset(held)))
         return rows
-

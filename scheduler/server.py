@@ -60,8 +60,13 @@ def redis_client(url: str) -> aioredis.Redis:
     A command whose connection was dropped is retried once on a new connection: after a Redis restart
     the pool's idle connections are dead, and without it (from_url sets no retry) the first command on
     each would fail. Timeouts are not retried: a hung Redis must show within the 2 s socket timeout."""
-    return aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0,
-                                   retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=2.0,
+        socket_connect_timeout=2.0,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
 
 
 async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterState:
@@ -77,7 +82,9 @@ async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterStat
         log.warning("metrics: Redis unavailable (%s)", e)
         return state
     state.redis_up = True
-    state.leases_active = {s.value: n for s, n in counts.items() if s in (LeaseState.PINNED, LeaseState.PULLING)}
+    state.leases_active = {
+        s.value: n for s, n in counts.items() if s in (LeaseState.PINNED, LeaseState.PULLING)
+    }
     state.leases_total = {s.value: n for s, n in totals.items()}
     for view in views:
         r = view.record
@@ -101,12 +108,19 @@ async def serve_scheduler(
     await servicer.ensure_default_tenant()
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    add_servicer(servicer, server, pb.DESCRIPTOR.services_by_name["Scheduler"])  # malformed → INVALID_ARGUMENT
+    add_servicer(
+        servicer, server, pb.DESCRIPTOR.services_by_name["Scheduler"]
+    )  # malformed → INVALID_ARGUMENT
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        [pb.DESCRIPTOR.services_by_name["Scheduler"].full_name, "grpc.health.v1.Health", reflection.SERVICE_NAME],
-        server)
+        [
+            pb.DESCRIPTOR.services_by_name["Scheduler"].full_name,
+            "grpc.health.v1.Health",
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
     await server.start()
     for name in ("", "baton.v1.Scheduler"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -130,8 +144,12 @@ async def serve_scheduler(
         except BaseException:
             await scheduler.stop(0)
             raise
-    log.info("scheduler ready on %s (redis %s, metrics %s)", address, config.redis_url,
-             scheduler.metrics_url or "off")
+    log.info(
+        "scheduler ready on %s (redis %s, metrics %s)",
+        address,
+        config.redis_url,
+        scheduler.metrics_url or "off",
+    )
     return scheduler
 
 
@@ -145,27 +163,60 @@ def add_scheduler_parser(sub: Any) -> None:
     p.add_argument("--heartbeat-timeout-s", type=float, default=d["heartbeat_timeout_s"])
     p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"])
     p.add_argument("--queue-timeout-s", type=float, default=d["queue_timeout_s"])
-    p.add_argument("--default-tenant", default=d["default_tenant"],
-                   help="tenant of requests without an API key ('' = API keys required)")
-    p.add_argument("--accept-any-key", action="store_true",
-                   help="unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)")
+    p.add_argument(
+        "--default-tenant",
+        default=d["default_tenant"],
+        help="tenant of requests without an API key ('' = API keys required)",
+    )
+    p.add_argument(
+        "--accept-any-key",
+        action="store_true",
+        help="unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)",
+    )
     p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"])
-    p.add_argument("--max-prefill-queue", type=int, default=d["max_prefill_queue"],
-                   help="prompts a prefill worker holds (prefilling or queued) before requests wait here")
-    p.add_argument("--max-decode-queue", type=int, default=d["max_decode_queue"],
-                   help="requests a decode worker holds waiting or pulling before requests wait here")
-    p.add_argument("--burst-credit-tokens", type=float, default=d["burst_credit_tokens"],
-                   help="fair queue: tokens a tenant that asked for less recently than the next waiter may go "
-                        "ahead by, and the most debt one served while nobody waited keeps (0 = plain VTC)")
-    p.add_argument("--local-when-prefill-full", action="store_true",
-                   help="every prefill worker's queue full: prefill on the decode worker instead of waiting")
-    p.add_argument("--light-local-max-tokens", type=int, default=d["light_local_max_tokens"],
-                   help="every prefill worker busy: a light tenant's prompt up to this long prefills on the "
-                        "decode worker rather than wait for a heavier tenant's prefill (default 0: never)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)")
-    p.add_argument("--metrics-max-tenants", type=int, default=DEFAULT_MAX_TENANTS,
-                   help="tenants with a metrics label of their own; later ones are 'other' (default: %(default)s)")
+    p.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=d["max_prefill_queue"],
+        help="prompts a prefill worker holds (prefilling or queued) before requests wait here",
+    )
+    p.add_argument(
+        "--max-decode-queue",
+        type=int,
+        default=d["max_decode_queue"],
+        help="requests a decode worker holds waiting or pulling before requests wait here",
+    )
+    p.add_argument(
+        "--burst-credit-tokens",
+        type=float,
+        default=d["burst_credit_tokens"],
+        help="fair queue: tokens a tenant that asked for less recently than the next waiter may go "
+        "ahead by, and the most debt one served while nobody waited keeps (0 = plain VTC)",
+    )
+    p.add_argument(
+        "--local-when-prefill-full",
+        action="store_true",
+        help="every prefill worker's queue full: prefill on the decode worker instead of waiting",
+    )
+    p.add_argument(
+        "--light-local-max-tokens",
+        type=int,
+        default=d["light_local_max_tokens"],
+        help="every prefill worker busy: a light tenant's prompt up to this long prefills on the "
+        "decode worker rather than wait for a heavier tenant's prefill (default 0: never)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)",
+    )
+    p.add_argument(
+        "--metrics-max-tenants",
+        type=int,
+        default=DEFAULT_MAX_TENANTS,
+        help="tenants with a metrics label of their own; later ones are 'other' (default: %(default)s)",
+    )
     p.set_defaults(func=run_scheduler)
 
 
@@ -178,7 +229,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_until_signal(config: ClusterSchedulerConfig, metrics_port: int | None, max_tenants: int) -> None:
+async def _serve_until_signal(
+    config: ClusterSchedulerConfig, metrics_port: int | None, max_tenants: int
+) -> None:
     stop = stop_requested()
     server = await serve_scheduler(config, metrics_port, max_tenants)
     print(f"baton scheduler serving on {server.address} (redis {config.redis_url})", flush=True)

@@ -53,6 +53,7 @@ def _redis_errors_unavailable(
 ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]:
     """A unary RPC (registration, heartbeats, the operator's calls) whose Redis errors end it UNAVAILABLE,
     as for the per-request calls: never grpc's UNKNOWN or INTERNAL during an outage."""
+
     @functools.wraps(method)
     async def rpc(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         return await unless_store_down(method(self, request, context))
@@ -63,30 +64,41 @@ def _redis_errors_unavailable(
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[misc]  # generated, untyped
     """One replica; every piece of shared state lives in Redis."""
 
-    def __init__(self, config: ClusterSchedulerConfig, client: aioredis.Redis, pipe: RedisPipe | None = None) -> None:
+    def __init__(
+        self, config: ClusterSchedulerConfig, client: aioredis.Redis, pipe: RedisPipe | None = None
+    ) -> None:
         self.config = config
         p = config.prefix
         self.registry = WorkerRegistry(client, p, config.heartbeat_timeout_s)
         self.catalog = ModelCatalog(client, p)
         self.tenants = TenantDirectory(client, p, default_tenant=config.default_tenant)
-        self.quota = QuotaLedger(client, p, pipe=pipe)  # per-request scripts (quota, leases) on the pipe if given
+        self.quota = QuotaLedger(
+            client, p, pipe=pipe
+        )  # per-request scripts (quota, leases) on the pipe if given
         self.queue = FairQueue(client, p, burst_credit_tokens=config.burst_credit_tokens)
         self.leases = LeaseLedger(client, p, pipe=pipe)
         self.bus = CancellationBus(client, p)
-        self.placer = Placer(PlacementPolicy(local_prefill_threshold=config.local_prefill_threshold,
-                                             max_prefill_queue=config.max_prefill_queue,
-                                             max_decode_queue=config.max_decode_queue,
-                                             local_when_prefill_full=config.local_when_prefill_full,
-                                             light_local_max_tokens=config.light_local_max_tokens))
+        self.placer = Placer(
+            PlacementPolicy(
+                local_prefill_threshold=config.local_prefill_threshold,
+                max_prefill_queue=config.max_prefill_queue,
+                max_decode_queue=config.max_decode_queue,
+                local_when_prefill_full=config.local_when_prefill_full,
+                light_local_max_tokens=config.light_local_max_tokens,
+            )
+        )
         self.snapshot = RegistrySnapshot(self.registry)
         self.lookups = Lookups(config, self.tenants, self.catalog)
-        self.decider = Decider(config, self.placer, self.lookups, self.snapshot, self.registry, self.quota,
-                               self.queue, client)
+        self.decider = Decider(
+            config, self.placer, self.lookups, self.snapshot, self.registry, self.quota, self.queue, client
+        )
         self.rollout = RolloutAdmin(self.catalog, self.registry, self.lookups)
         self.reaper = Reaper(config, self.lookups, self.decider, self.leases, self.registry)
         # What each call on the `Calls` stream runs: the unary calls' own code.
         self._stream_handlers: dict[str, Handler] = {
-            "place": self.decider.place, "finish": self._finish, "report_lease": self._report_lease,
+            "place": self.decider.place,
+            "finish": self._finish,
+            "report_lease": self._report_lease,
             "cancel": self._cancel,
         }
 
@@ -105,25 +117,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     async def _finish(self, request: pb.FinishRequest) -> pb.FinishResponse:
         tenant = await self.lookups.tenant_named(request.tenant)
         if tenant is not None:
-            await self.quota.finish(tenant, request.request_id, request.prompt_tokens, request.completion_tokens)
+            await self.quota.finish(
+                tenant, request.request_id, request.prompt_tokens, request.completion_tokens
+            )
         return pb.FinishResponse()
 
-    async def Cancel(self, request: pb.SchedulerCancelRequest, context: grpc.aio.ServicerContext
-                     ) -> pb.SchedulerCancelResponse:
+    async def Cancel(
+        self, request: pb.SchedulerCancelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SchedulerCancelResponse:
         return await unless_store_down(self._cancel(request))
 
     async def _cancel(self, request: pb.SchedulerCancelRequest) -> pb.SchedulerCancelResponse:
-        return pb.SchedulerCancelResponse(first=await self.bus.cancel(request.request_id, request.reason or "client"))
+        return pb.SchedulerCancelResponse(
+            first=await self.bus.cancel(request.request_id, request.reason or "client")
+        )
 
-    async def ReportLease(self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
-                          ) -> pb.ReportLeaseResponse:
+    async def ReportLease(
+        self, request: pb.ReportLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportLeaseResponse:
         return await unless_store_down(self._report_lease(request))
 
     async def _report_lease(self, request: pb.ReportLeaseRequest) -> pb.ReportLeaseResponse:
         if request.event == pb.LEASE_EVENT_PINNED:
             ttl = request.ttl_s or self.config.lease_ttl_s
-            lease = await self.leases.create(request.lease_id, request.request_id, request.prefill_worker,
-                                             request.decode_worker, request.num_blocks, ttl)
+            lease = await self.leases.create(
+                request.lease_id,
+                request.request_id,
+                request.prefill_worker,
+                request.decode_worker,
+                request.num_blocks,
+                ttl,
+            )
             return pb.ReportLeaseResponse(applied=lease is not None)
         if request.event == pb.LEASE_EVENT_RELEASED:
             return pb.ReportLeaseResponse(applied=await self.leases.release(request.lease_id))
@@ -131,18 +155,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             return pb.ReportLeaseResponse(applied=await self.leases.abort(request.lease_id))
         raise InvalidRequest("a lease report needs an event")
 
-    def Calls(self, batches: AsyncIterator[pb.SchedulerCalls], context: grpc.aio.ServicerContext
-              ) -> AsyncGenerator[pb.SchedulerReplies, None]:
+    def Calls(
+        self, batches: AsyncIterator[pb.SchedulerCalls], context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.SchedulerReplies, None]:
         """The same calls on one stream (`scheduler.calls.serve_calls`)."""
         return serve_calls(batches, self._stream_handlers)
 
     # ------------------------------------------------------------------ workers
     @_redis_errors_unavailable
-    async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
-                             ) -> pb.RegisterWorkerResponse:
+    async def RegisterWorker(
+        self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterWorkerResponse:
         w = request.worker
-        record = WorkerRecord(w.address, w.role, w.model, w.version, w.address,  # ServingError: its status
-                              w.num_blocks, w.block_size, w.max_model_len, w.kv_backend)
+        record = WorkerRecord(
+            w.address,
+            w.role,
+            w.model,
+            w.version,
+            w.address,  # ServingError: its status
+            w.num_blocks,
+            w.block_size,
+            w.max_model_len,
+            w.kv_backend,
+        )
         await self.registry.register(record, _load(request.load))
         await self.catalog.announce(w.model, w.version)
         self.snapshot.invalidate(w.model)  # placeable at once, here; other replicas within max_age_s
@@ -150,8 +185,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         return pb.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_timeout_s / 3)
 
     @_redis_errors_unavailable
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
-                        ) -> pb.HeartbeatResponse:
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
         hashes = None if request.load_only else list(request.cached_block_hashes)
         load = _load(request.load)
         known = await self.registry.heartbeat(request.address, load, hashes)
@@ -161,18 +197,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
     # ------------------------------------------------------------------ model versions
     @_redis_errors_unavailable
-    async def ListModelVersions(self, request: pb.ListModelVersionsRequest, context: grpc.aio.ServicerContext
-                                ) -> pb.ListModelVersionsResponse:
+    async def ListModelVersions(
+        self, request: pb.ListModelVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelVersionsResponse:
         return await self.rollout.list_versions(request)
 
     @_redis_errors_unavailable
-    async def ReportShadow(self, request: pb.ReportShadowRequest, context: grpc.aio.ServicerContext
-                           ) -> pb.ReportShadowResponse:
+    async def ReportShadow(
+        self, request: pb.ReportShadowRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportShadowResponse:
         return await self.rollout.report_shadow(request)
 
     @_redis_errors_unavailable
-    async def SetRollout(self, request: pb.SetRolloutRequest, context: grpc.aio.ServicerContext
-                         ) -> pb.SetRolloutResponse:
+    async def SetRollout(
+        self, request: pb.SetRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRolloutResponse:
         return await self.rollout.set_rollout(request)
 
     # ------------------------------------------------------------------ tenants

@@ -78,7 +78,9 @@ class RegistrySnapshot:
         task = self._pending.get(model)
         if task is None:
             task = self._pending[model] = asyncio.create_task(self._refresh(model))
-            task.add_done_callback(lambda t: self._pending.pop(model, None) if self._pending.get(model) is t else None)
+            task.add_done_callback(
+                lambda t: self._pending.pop(model, None) if self._pending.get(model) is t else None
+            )
         if cached is not None and age <= self.max_stale_s:
             return cached[1]  # stale-while-revalidate: the refresh lands for the next decision
         return await asyncio.shield(task)

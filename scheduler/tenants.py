@@ -131,8 +131,9 @@ class TenantDirectory:
     trusted deployment); a key that is present but unknown is always refused.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "baton:",
-                 default_tenant: str | None = None) -> None:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str = "baton:", default_tenant: str | None = None
+    ) -> None:
         self._client = client
         self._tenants_key = f"{prefix}tenants"
         self._keys_key = f"{prefix}api_keys"
@@ -176,8 +177,9 @@ class TenantDirectory:
             tenant = await self.get_tenant(self.default_tenant)
             if tenant is None:
                 # A misconfiguration, but refusing is safer than serving without limits.
-                raise Unauthenticated(f"no API key given, and the default tenant {self.default_tenant!r} "
-                                      "does not exist")
+                raise Unauthenticated(
+                    f"no API key given, and the default tenant {self.default_tenant!r} does not exist"
+                )
             return tenant
         text = await self._resolve(keys=[self._keys_key, self._tenants_key], args=[api_key_digest(api_key)])
         if text is None:

@@ -51,8 +51,19 @@ def in_shadow(request_id: str, share: float) -> bool:
 
 
 # The sums kept per version pair (a Redis hash's fields); `ShadowStats` turns them into means.
-SHADOW_SUMS = ("requests", "identical", "greedy_agreement", "positions", "top1_agreed", "kl_sum",
-               "primary_ttft_ms", "shadow_ttft_ms", "itl_requests", "primary_itl_ms", "shadow_itl_ms")
+SHADOW_SUMS = (
+    "requests",
+    "identical",
+    "greedy_agreement",
+    "positions",
+    "top1_agreed",
+    "kl_sum",
+    "primary_ttft_ms",
+    "shadow_ttft_ms",
+    "itl_requests",
+    "primary_itl_ms",
+    "shadow_itl_ms",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +104,12 @@ class ShadowStats:
 
     def latency_ms(self) -> tuple[float, float, float, float]:
         """Mean TTFT of primary and shadow, then mean ITL of each (over requests with 2+ tokens)."""
-        return (self._mean("primary_ttft_ms", "requests"), self._mean("shadow_ttft_ms", "requests"),
-                self._mean("primary_itl_ms", "itl_requests"), self._mean("shadow_itl_ms", "itl_requests"))
+        return (
+            self._mean("primary_ttft_ms", "requests"),
+            self._mean("shadow_ttft_ms", "requests"),
+            self._mean("primary_itl_ms", "itl_requests"),
+            self._mean("shadow_itl_ms", "itl_requests"),
+        )
 
 
 class ModelCatalog:
@@ -148,7 +163,9 @@ class ModelCatalog:
             if not (w >= 0.0):  # also rejects NaN
                 raise ValueError(f"weight of {version} must be >= 0, got {w}")
         if weights:
-            await self._r.hset(self._weights_key(model), mapping={v: repr(float(w)) for v, w in weights.items()})
+            await self._r.hset(
+                self._weights_key(model), mapping={v: repr(float(w)) for v, w in weights.items()}
+            )
         return await self.weights(model)
 
     async def shadow(self, model: str) -> tuple[str | None, float]:
@@ -188,5 +205,7 @@ class ModelCatalog:
         for primary, shadow in pairs:
             pipe.hgetall(self._stats_key(model, primary, shadow))
         raw = await pipe.execute()
-        return [ShadowStats(primary, shadow, {str(k): float(v) for k, v in sums.items()})
-                for (primary, shadow), sums in zip(pairs, raw, strict=True)]
+        return [
+            ShadowStats(primary, shadow, {str(k): float(v) for k, v in sums.items()})
+            for (primary, shadow), sums in zip(pairs, raw, strict=True)
+        ]

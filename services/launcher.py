@@ -68,8 +68,13 @@ class Child:
 
     def start(self) -> None:
         log = open(self.log_path, "wb")  # noqa: SIM115 — closed by the child's lifetime
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -129,7 +134,9 @@ class Cluster:
 def is_serving(address: str) -> bool:
     try:
         with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1.0
+            )
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
     except grpc.RpcError:
         return False
@@ -151,9 +158,19 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
     verbose = ["-v"] if args.verbose else []
     model = ["--model", args.model] if args.model else []
     host = args.host
-    worker_common = [*model, "--host", host, "--kv-transport", args.kv_transport,
-                     "--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
-                     "--quantization", args.quantization]
+    worker_common = [
+        *model,
+        "--host",
+        host,
+        "--kv-transport",
+        args.kv_transport,
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+        "--dtype",
+        args.dtype,
+        "--quantization",
+        args.quantization,
+    ]
     if args.threads:
         worker_common += ["--threads", str(args.threads)]
     cluster = Cluster()
@@ -165,15 +182,49 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
         redis_port, scheduler_port = free_port(host), free_port(host)
         redis_url = f"redis://{host}:{redis_port}/0"
         scheduler = f"{host}:{scheduler_port}"
-        cluster.children.append(Child(
-            "redis", [redis_binary(), "--bind", host, "--port", str(redis_port), "--save", "", "--appendonly", "no"],
-            f"{host}:{redis_port}", log_dir / "redis.log", phase=0, probe=redis_ping))
+        cluster.children.append(
+            Child(
+                "redis",
+                [
+                    redis_binary(),
+                    "--bind",
+                    host,
+                    "--port",
+                    str(redis_port),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
+                f"{host}:{redis_port}",
+                log_dir / "redis.log",
+                phase=0,
+                probe=redis_ping,
+            )
+        )
         metrics["scheduler"] = f"{host}:{free_port(host)}"
-        cluster.children.append(Child(
-            "scheduler", [*baton, *verbose, "scheduler", "--redis-url", redis_url, "--host", host,
-                          "--port", str(scheduler_port), "--accept-any-key",
-                          "--metrics-port", metrics["scheduler"].rsplit(":", 1)[1]],
-            scheduler, log_dir / "scheduler.log", phase=1))
+        cluster.children.append(
+            Child(
+                "scheduler",
+                [
+                    *baton,
+                    *verbose,
+                    "scheduler",
+                    "--redis-url",
+                    redis_url,
+                    "--host",
+                    host,
+                    "--port",
+                    str(scheduler_port),
+                    "--accept-any-key",
+                    "--metrics-port",
+                    metrics["scheduler"].rsplit(":", 1)[1],
+                ],
+                scheduler,
+                log_dir / "scheduler.log",
+                phase=1,
+            )
+        )
         worker_common += ["--scheduler", scheduler, "--redis-url", redis_url]
     roles = [("worker", "both")] if args.colocated else [("prefill", "prefill"), ("decode", "decode")]
     addresses: dict[str, str] = {}
@@ -181,21 +232,48 @@ def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dic
         port, metrics_port = free_port(host), free_port(host)
         addresses[role] = f"{host}:{port}"
         metrics[role] = f"{host}:{metrics_port}"
-        cluster.children.append(Child(
-            f"{name} worker", [*baton, *verbose, "worker", "--role", role, "--port", str(port),
-                               "--metrics-port", str(metrics_port), *worker_common],
-            addresses[role], log_dir / f"{name}.log"))
+        cluster.children.append(
+            Child(
+                f"{name} worker",
+                [
+                    *baton,
+                    *verbose,
+                    "worker",
+                    "--role",
+                    role,
+                    "--port",
+                    str(port),
+                    "--metrics-port",
+                    str(metrics_port),
+                    *worker_common,
+                ],
+                addresses[role],
+                log_dir / f"{name}.log",
+            )
+        )
     grpc_port = args.grpc_port or free_port(host)
     http_port = args.http_port or free_port(host)
-    gateway = [*baton, *verbose, "gateway", *model, "--host", host, "--grpc-port", str(grpc_port),
-               "--http-port", str(http_port)]
+    gateway = [
+        *baton,
+        *verbose,
+        "gateway",
+        *model,
+        "--host",
+        host,
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+    ]
     if scheduler:
         gateway += ["--scheduler", scheduler]
     else:
         gateway += ["--decode-workers", addresses.get("decode", addresses.get("both", ""))]
         if "prefill" in addresses:
             gateway += ["--prefill-workers", addresses["prefill"]]
-    cluster.children.append(Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log", phase=3))
+    cluster.children.append(
+        Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log", phase=3)
+    )
     metrics["gateway"] = f"{host}:{http_port}"
     endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}", **addresses}
     if scheduler:
@@ -210,16 +288,21 @@ def prometheus_config(endpoints: dict[str, str]) -> str:
     jobs = "".join(
         f"  - job_name: baton-{key.removeprefix('metrics:')}\n    static_configs:\n"
         f"      - targets: ['{address}']\n"
-        for key, address in endpoints.items() if key.startswith("metrics:"))
+        for key, address in endpoints.items()
+        if key.startswith("metrics:")
+    )
     return f"global:\n  scrape_interval: 5s\nscrape_configs:\n{jobs}"
 
 
 def prepare_model(model: str | None) -> str:
     """Resolves the model once before the workers start (the default model is converted on first use,
     and two workers must not convert it at the same time). Runs in a child: the launcher stays light."""
-    cmd = [sys.executable, "-c",
-           "import sys; from engine.loader import resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))",
-           model or ""]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from engine.loader import resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))",
+        model or "",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"cannot prepare the model: {out.stderr.strip().splitlines()[-1:]}")
@@ -229,17 +312,20 @@ def prepare_model(model: str | None) -> str:
 def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
     http = endpoints["http"]
     workers = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k in ("prefill", "decode", "both"))
-    metrics = " ".join(f"{k.removeprefix('metrics:')}=http://{v}/metrics"
-                       for k, v in endpoints.items() if k.startswith("metrics:"))
+    metrics = " ".join(
+        f"{k.removeprefix('metrics:')}=http://{v}/metrics"
+        for k, v in endpoints.items()
+        if k.startswith("metrics:")
+    )
     return f"""
 Baton is up — model {model_name}
   OpenAI HTTP : {http}/v1   (health {http}/health, metrics {http}/metrics)
-  gRPC        : {endpoints['grpc']}   (baton.v1.Gateway; reflection on)
+  gRPC        : {endpoints["grpc"]}   (baton.v1.Gateway; reflection on)
   workers     : {workers}
-  scheduler   : {endpoints.get('scheduler', 'none (static placement)')}
-  redis       : {endpoints.get('redis', 'none')}
+  scheduler   : {endpoints.get("scheduler", "none (static placement)")}
+  redis       : {endpoints.get("redis", "none")}
   metrics     : {metrics}
-                (Prometheus: prometheus --config.file={log_dir / 'prometheus.yml'}; Grafana: deploy/grafana/)
+                (Prometheus: prometheus --config.file={log_dir / "prometheus.yml"}; Grafana: deploy/grafana/)
   logs        : {log_dir}
 
 Try it:
@@ -299,14 +385,19 @@ def run_up(args: argparse.Namespace) -> int:
         if not wait_serving(endpoints["http"], deadline, lambda: stopping):
             if stopping:
                 return 130
-            print(f"baton up: the gateway's {endpoints['http']}/health did not report ready in time", file=sys.stderr)
+            print(
+                f"baton up: the gateway's {endpoints['http']}/health did not report ready in time",
+                file=sys.stderr,
+            )
             return 1
         print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
         while not stopping:
             dead = cluster.first_exited()
             if dead is not None:
-                print(f"baton up: {dead.name} exited ({dead.proc.returncode if dead.proc else '?'}):\n{dead.tail()}",
-                      file=sys.stderr)
+                print(
+                    f"baton up: {dead.name} exited ({dead.proc.returncode if dead.proc else '?'}):\n{dead.tail()}",
+                    file=sys.stderr,
+                )
                 return 1
             time.sleep(0.2)
         print("stopping …", flush=True)
@@ -317,21 +408,38 @@ def run_up(args: argparse.Namespace) -> int:
 
 def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument(
+        "--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0 = any free port)")
     p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
     p.add_argument("--colocated", action="store_true", help="one worker with role both instead of P + D")
-    p.add_argument("--static", action="store_true",
-                   help="no Redis and no scheduler: the gateway places on the workers it is given")
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="no Redis and no scheduler: the gateway places on the workers it is given",
+    )
     p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="per worker")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="every worker's weights, activations and KV cache (default auto: bfloat16 where faster)")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="int8: every worker serves the weight-only int8 twin of the model")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="torch threads per worker (default: half the cores each)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="every worker's weights, activations and KV cache (default auto: bfloat16 where faster)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="int8: every worker serves the weight-only int8 twin of the model",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads per worker (default: half the cores each)",
+    )
     p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     p.add_argument("--log-dir", default=None, help="where each process writes its log (default: a temp dir)")
     p.set_defaults(func=run_up)

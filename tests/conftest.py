@@ -57,15 +57,26 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0, **overri
     import transformers
 
     common: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, eos_token_id=2, bos_token_id=0, tie_word_embeddings=False,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        eos_token_id=2,
+        bos_token_id=0,
+        tie_word_embeddings=False,
         # A wide init makes the logits far apart, so greedy parity is not decided by float noise.
         initializer_range=0.3,
     )
     if arch == "llama":
         common["rope_scaling"] = {
-            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
         config_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
@@ -128,11 +139,26 @@ def url(redis_server: Any, redis_client: Any) -> str:
     return str(redis_server.url)
 
 
-def launch_baton_up(log_dir: Path, *flags: str, timeout_s: float = 240.0) -> tuple[subprocess.Popen[str], str]:
+def launch_baton_up(
+    log_dir: Path, *flags: str, timeout_s: float = 240.0
+) -> tuple[subprocess.Popen[str], str]:
     """`baton up` as a user starts it (any free ports, one thread per worker, logs in ``log_dir``), and
     its banner as printed up to "Press Ctrl-C" (or whatever it printed before exiting or ``timeout_s``)."""
-    cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
-           "--log-dir", str(log_dir), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--threads",
+        "1",
+        "--log-dir",
+        str(log_dir),
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines: list[str] = []

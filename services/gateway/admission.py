@@ -91,7 +91,9 @@ class RequestValidator:
     async def prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the params to run, seeded; raises the error the client sees."""
         if request.model and request.model != self.model.name:
-            raise ModelNotFound(f"model {request.model!r} is not served here; the model is {self.model.name!r}")
+            raise ModelNotFound(
+                f"model {request.model!r} is not served here; the model is {self.model.name!r}"
+            )
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(self._executor, self.tokenize, request)
         return prompt_ids, self.check_limits(len(prompt_ids), request)

@@ -113,8 +113,12 @@ def _as_asked(delta: Delta, num_logprobs: int | None) -> Delta:
     """``delta`` with the logprobs its client asked for: none, or each token's ``num_logprobs`` best."""
     if num_logprobs is None:
         return Delta(delta.token_ids, delta.text)
-    trimmed = [TokenLogprob(lp.token_id, lp.logprob, dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_logprobs]))
-               for lp in delta.logprobs]
+    trimmed = [
+        TokenLogprob(
+            lp.token_id, lp.logprob, dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_logprobs])
+        )
+        for lp in delta.logprobs
+    ]
     return Delta(delta.token_ids, delta.text, trimmed)
 
 
@@ -122,8 +126,14 @@ class Dispatcher:
     """Runs requests through the workers; the registry of in-flight requests for cancellation by id."""
 
     def __init__(
-        self, tokenizer: Tokenizer, model: ModelInfo, limits: Limits, router: Router,
-        workers: WorkerClients, executor: Executor, shadows: ShadowTraffic | None = None,
+        self,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        limits: Limits,
+        router: Router,
+        workers: WorkerClients,
+        executor: Executor,
+        shadows: ShadowTraffic | None = None,
         tenant_label: BoundedLabel | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -149,12 +159,16 @@ class Dispatcher:
         if problem is None and rid in self._in_flight:
             problem = f"request id {rid!r} is already in flight"
         if problem is not None:
-            metrics.REQUESTS.labels(self.model.name, NONE, NONE, request.api, "error", "INVALID_ARGUMENT").inc()
+            metrics.REQUESTS.labels(
+                self.model.name, NONE, NONE, request.api, "error", "INVALID_ARGUMENT"
+            ).inc()
             raise InvalidRequest(problem)
         stream = RequestStream(rid, self.limits.max_buffered_tokens, self._client_wait.observe)
         self._in_flight[rid] = stream
         metrics.IN_FLIGHT.inc()
-        stream.attach(asyncio.get_running_loop().create_task(self._run(stream, request), name=f"request-{rid}"))
+        stream.attach(
+            asyncio.get_running_loop().create_task(self._run(stream, request), name=f"request-{rid}")
+        )
         log.info("request %s accepted (%s)", rid, request.api)
         return stream
 
@@ -227,15 +241,21 @@ class Dispatcher:
             return
         finished = stream.finished
         metrics.PROMPT_TOKENS.labels(model, version, tenant).inc(len(job.prompt_ids))
-        completion = finished.usage.completion_tokens if finished is not None and code == "OK" else len(job.sent_ids)
+        completion = (
+            finished.usage.completion_tokens if finished is not None and code == "OK" else len(job.sent_ids)
+        )
         metrics.GENERATION_TOKENS.labels(model, version, tenant).inc(completion)
         if code != "OK" or finished is None:
             return
         t = finished.timings
         metrics.TTFT.labels(model, version, tenant).observe(t.ttft_ms / 1e3)
         metrics.E2E.labels(model, version, tenant).observe(t.e2e_ms / 1e3)
-        for segment, ms in ((metrics.QUEUE, t.queue_ms), (metrics.PREFILL, t.prefill_ms),
-                            (metrics.TRANSFER, t.transfer_ms), (metrics.DECODE, t.decode_ms)):
+        for segment, ms in (
+            (metrics.QUEUE, t.queue_ms),
+            (metrics.PREFILL, t.prefill_ms),
+            (metrics.TRANSFER, t.transfer_ms),
+            (metrics.DECODE, t.decode_ms),
+        ):
             segment.labels(model, version).observe(ms / 1e3)
 
     def _cancelled(self, stream: RequestStream, job: _Job | None, reason: str) -> str:
@@ -255,8 +275,9 @@ class Dispatcher:
         """Tells the request's shadow how the primary ended: compare with what the client got, or stop."""
         if outcome == "ok":
             ttft_s = (stream.first_token_at or stream.accepted_at) - stream.accepted_at
-            shadow.primary_finished(PrimaryResult(job.sent_ids, ttft_s, time.perf_counter() - stream.accepted_at,
-                                                  job.shadow_top))
+            shadow.primary_finished(
+                PrimaryResult(job.sent_ids, ttft_s, time.perf_counter() - stream.accepted_at, job.shadow_top)
+            )
         else:
             shadow.cancel("cancelled" if outcome == "cancelled" else "primary_failed")
 
@@ -267,9 +288,18 @@ class Dispatcher:
         job.dispatched_at = time.perf_counter()
         if route.shadow_worker:
             compared = with_top_logprobs(job.params)
-            job.shadow = self.shadows.start(ShadowRequest(
-                job.request_id, job.prompt_ids, compared, route.cache_salt, route.shadow_worker,
-                route.shadow_version, route.version, self.model.name))
+            job.shadow = self.shadows.start(
+                ShadowRequest(
+                    job.request_id,
+                    job.prompt_ids,
+                    compared,
+                    route.cache_salt,
+                    route.shadow_worker,
+                    route.shadow_version,
+                    route.version,
+                    self.model.name,
+                )
+            )
             if job.shadow is not None:
                 job.params = compared  # the primary returns the same top logprobs as its shadow
         while True:
@@ -279,8 +309,14 @@ class Dispatcher:
             except ServingError as e:
                 if not await self._may_retry(job, e):
                     raise
-                log.warning("request %s: %s failed on %s after %d tokens (%s); routing again without it",
-                            job.request_id, job.stage, job.failed[-1], len(job.sent_ids), e.message)
+                log.warning(
+                    "request %s: %s failed on %s after %d tokens (%s); routing again without it",
+                    job.request_id,
+                    job.stage,
+                    job.failed[-1],
+                    len(job.sent_ids),
+                    e.message,
+                )
             if len(job.sent_ids) >= job.params.max_tokens:  # the last token arrived, its finish did not
                 stream.finish(self._finished(stream, job, FinishReason.LENGTH, len(job.sent_ids)))
                 return
@@ -288,17 +324,33 @@ class Dispatcher:
 
     async def _route(self, job: _Job) -> Route:
         query = RouteQuery(
-            job.request_id, [*job.prompt_ids, *job.sent_ids], job.params.max_tokens - len(job.sent_ids),
-            api_key=job.api_key, model=self.model.name, exclude=tuple(job.failed), resume=job.route is not None,
+            job.request_id,
+            [*job.prompt_ids, *job.sent_ids],
+            job.params.max_tokens - len(job.sent_ids),
+            api_key=job.api_key,
+            model=self.model.name,
+            exclude=tuple(job.failed),
+            resume=job.route is not None,
             timeout_s=job.remaining_s(),
         )
         route = job.route = await self.router.route(query)
         if job.itl is None:  # the first placement names the version and tenant
-            job.labels = (self.model.name, route.version or self.model.version, self.tenant_label(route.tenant))
+            job.labels = (
+                self.model.name,
+                route.version or self.model.version,
+                self.tenant_label(route.tenant),
+            )
             job.itl = metrics.ITL.labels(*job.labels[:2])
-        log.info("request %s placed: prefill=%s decode=%s prompt_tokens=%d resume_tokens=%d version=%s shadow=%s",
-                 job.request_id, route.prefill or "local", route.decode, len(job.prompt_ids), len(job.sent_ids),
-                 route.version or "-", route.shadow_worker or "-")
+        log.info(
+            "request %s placed: prefill=%s decode=%s prompt_tokens=%d resume_tokens=%d version=%s shadow=%s",
+            job.request_id,
+            route.prefill or "local",
+            route.decode,
+            len(job.prompt_ids),
+            len(job.sent_ids),
+            route.version or "-",
+            route.shadow_worker or "-",
+        )
         return route
 
     async def _may_retry(self, job: _Job, error: ServingError) -> bool:
@@ -311,7 +363,9 @@ class Dispatcher:
                 return False
             job.kv_retries += 1
             metrics.KV_TRANSFER_RETRIES.inc()
-            if job.route.prefill is not None and (isinstance(error, KVTransferFailed) or await self._answers(failed)):
+            if job.route.prefill is not None and (
+                isinstance(error, KVTransferFailed) or await self._answers(failed)
+            ):
                 failed = job.route.prefill  # D is alive: the pull failed on P's side (e.g. its lease expired)
         elif job.stage == "decode" and job.sent_ids:  # a migration: D died mid-stream
             if job.migrations >= self.limits.max_migrations:
@@ -349,7 +403,9 @@ class Dispatcher:
         assert job.route is not None
         job.stage, job.worker = "prefill", address
         request = worker_pb2.PrefillRequest(
-            request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling=sampling_to_pb(job.params),
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_ids,
+            sampling=sampling_to_pb(job.params),
             cache_salt=job.route.cache_salt,
         )
         call = self.workers.stub(address).Prefill(request, timeout=job.remaining_s())
@@ -373,13 +429,17 @@ class Dispatcher:
             if response.HasField("handle"):
                 job.abort_on(self.workers, address)
             reason = FINISH_FROM_PB.get(response.finish_reason, FinishReason.STOP)
-            stream.finish(self._finished(stream, job, reason, max(1, response.usage.completion_tokens),
-                                         response.stop_reason))
+            stream.finish(
+                self._finished(
+                    stream, job, reason, max(1, response.usage.completion_tokens), response.stop_reason
+                )
+            )
             return None
         handle = response.handle
         ttl_s = job.route.lease_ttl_s or max(0.0, handle.expires_at - time.time())
-        job.lease = LeaseReport(handle.lease_id, job.request_id, address, job.route.decode,
-                                len(handle.block_ids), ttl_s)
+        job.lease = LeaseReport(
+            handle.lease_id, job.request_id, address, job.route.decode, len(handle.block_ids), ttl_s
+        )
         self.router.report_lease("pinned", job.lease)
         return handle
 
@@ -413,7 +473,9 @@ class Dispatcher:
         token; without one it prefills, and first recomputes every token the client already has."""
         assert job.route is not None
         request = worker_pb2.DecodeRequest(
-            request_id=job.request_id, prompt_token_ids=job.prompt_ids, sampling=sampling_to_pb(job.params),
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_ids,
+            sampling=sampling_to_pb(job.params),
             cache_salt=job.route.cache_salt,
         )
         resumed = bool(job.sent_ids) and handle is None
@@ -444,8 +506,11 @@ class Dispatcher:
         if handle is None and not resumed:
             job.cached_tokens = last.usage.cached_tokens
         reason = FINISH_FROM_PB.get(last.finish_reason, FinishReason.STOP)
-        stream.finish(self._finished(stream, job, reason, last.usage.completion_tokens or stream.num_tokens,
-                                     last.stop_reason))
+        stream.finish(
+            self._finished(
+                stream, job, reason, last.usage.completion_tokens or stream.num_tokens, last.stop_reason
+            )
+        )
 
     def _push(self, stream: RequestStream, job: _Job, msg: common_pb2.TokenDelta) -> None:
         job.sent_ids.extend(msg.token_ids)
@@ -460,8 +525,14 @@ class Dispatcher:
                 job.itl.observe(now - job.last_token_at)
             job.last_token_at = now
 
-    def _finished(self, stream: RequestStream, job: _Job | None, reason: FinishReason, completion_tokens: int,
-                  stop_reason: str = "") -> Finished:
+    def _finished(
+        self,
+        stream: RequestStream,
+        job: _Job | None,
+        reason: FinishReason,
+        completion_tokens: int,
+        stop_reason: str = "",
+    ) -> Finished:
         now = time.perf_counter()
         e2e_s = now - stream.accepted_at
         ttft = (stream.first_token_at - stream.accepted_at) * 1e3 if stream.first_token_at else 0.0
@@ -471,6 +542,14 @@ class Dispatcher:
         timings = Timings(queue_ms, job.prefill_ms, job.transfer_ms, job.decode_ms, ttft, e2e_s * 1e3)
         log.info(
             "request %s finished: %s prompt=%d completion=%d ttft=%.1fms e2e=%.1fms migrations=%d",
-            job.request_id, reason, len(job.prompt_ids), completion_tokens, ttft, e2e_s * 1e3, job.migrations,
+            job.request_id,
+            reason,
+            len(job.prompt_ids),
+            completion_tokens,
+            ttft,
+            e2e_s * 1e3,
+            job.migrations,
         )
-        return Finished(reason, Usage(len(job.prompt_ids), completion_tokens, job.cached_tokens), timings, stop_reason)
+        return Finished(
+            reason, Usage(len(job.prompt_ids), completion_tokens, job.cached_tokens), timings, stop_reason
+        )

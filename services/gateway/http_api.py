@@ -53,7 +53,9 @@ def api_key(headers: Mapping[str, str]) -> str:
     return headers.get("x-api-key", "").strip()
 
 
-def error_response(error: ServingError, status: int | None = None, request_id: str | None = None) -> web.Response:
+def error_response(
+    error: ServingError, status: int | None = None, request_id: str | None = None
+) -> web.Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
     if isinstance(error, CapacityExceeded):
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
@@ -69,7 +71,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         error = InvalidRequest(e.text or e.reason)
-        error.error_type = _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "internal_error")
+        error.error_type = _HTTP_ERROR_TYPES.get(
+            e.status, "invalid_request_error" if e.status < 500 else "internal_error"
+        )
         return error_response(error, status=e.status)
     except ServingError as e:
         return error_response(e, request_id=request.get(REQUEST_ID))
@@ -104,10 +108,21 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         model = self.dispatcher.model
-        return web.json_response({"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": self.created, "owned_by": "baton",
-            "root": model.version, "max_model_len": model.max_model_len,
-        }]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "baton",
+                        "root": model.version,
+                        "max_model_len": model.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every worker answers Info (with a scheduler: it answers and has workers), else 503;
@@ -147,20 +162,31 @@ class HttpApi:
                 output.extend(event)
             else:
                 body = response_json(
-                    call, stream.request_id, self.dispatcher.model.name, int(time.time()), output, event,
+                    call,
+                    stream.request_id,
+                    self.dispatcher.model.name,
+                    int(time.time()),
+                    output,
+                    event,
                     self._token_text,
                 )
                 return web.json_response(body, headers={"X-Request-Id": stream.request_id})
         raise ServingError(f"request {stream.request_id} ended without a final message")
 
-    async def _stream(self, request: web.Request, call: OpenAICall, stream: RequestStream) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, call: OpenAICall, stream: RequestStream
+    ) -> web.StreamResponse:
         """Server-sent events. Errors before the first token are a plain error response; after it, an
         error event followed by [DONE]."""
         events = aiter(stream)
         first = await anext(events)  # a ServingError here becomes an HTTP error status
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": stream.request_id,
-        })
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": stream.request_id,
+            }
+        )
         await response.prepare(request)
         rid, model, created = stream.request_id, self.dispatcher.model.name, int(time.time())
 
@@ -199,8 +225,9 @@ async def _read_json(request: web.Request) -> Any:
     try:
         text = raw.decode("utf-8-sig")  # JSON between systems is UTF-8 (RFC 8259); a BOM is tolerated
     except UnicodeDecodeError as e:
-        raise InvalidRequest(f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset "
-                             f"{e.start} ({e.reason})") from None
+        raise InvalidRequest(
+            f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason})"
+        ) from None
     try:
         return json.loads(text)
     except ValueError as e:

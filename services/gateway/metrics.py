@@ -21,7 +21,25 @@ from rpc.metrics import LATENCY_BUCKETS, SEGMENT_BUCKETS
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 
 _REQUEST = ["model", "version", "tenant"]  # the labels of a gateway request's metrics
 _SEGMENT = ["model", "version"]
@@ -42,56 +60,78 @@ CANCELLATIONS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-IN_FLIGHT = Gauge("baton_gateway_requests_in_flight", "Requests accepted and not yet ended.", registry=REGISTRY)
+IN_FLIGHT = Gauge(
+    "baton_gateway_requests_in_flight", "Requests accepted and not yet ended.", registry=REGISTRY
+)
 TTFT = Histogram(
-    "baton_gateway_ttft_seconds", "Completed requests: accepted -> first token handed to the client's stream.",
-    _REQUEST, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    "baton_gateway_ttft_seconds",
+    "Completed requests: accepted -> first token handed to the client's stream.",
+    _REQUEST,
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 E2E = Histogram(
-    "baton_gateway_e2e_seconds", "Completed requests: accepted -> final message.",
-    _REQUEST, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    "baton_gateway_e2e_seconds",
+    "Completed requests: accepted -> final message.",
+    _REQUEST,
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 ITL = Histogram(
     "baton_gateway_itl_seconds",
     "Inter-token latency: the gap between two successive token deliveries to a client's stream (one per "
     "streamed message after the first).",
-    _SEGMENT, buckets=ITL_BUCKETS, registry=REGISTRY,
+    _SEGMENT,
+    buckets=ITL_BUCKETS,
+    registry=REGISTRY,
 )
 QUEUE = Histogram(
     "baton_gateway_queue_seconds",
     "Completed requests: accepted -> the first worker call (validation, tokenization, placement and any "
     "wait in the scheduler's fair queue).",
-    _SEGMENT, buckets=SEGMENT_BUCKETS, registry=REGISTRY,
+    _SEGMENT,
+    buckets=SEGMENT_BUCKETS,
+    registry=REGISTRY,
 )
 PREFILL = Histogram(
     "baton_gateway_prefill_seconds",
     "Completed requests: prefill as the workers measured it (the worker's own queue included).",
-    _SEGMENT, buckets=SEGMENT_BUCKETS, registry=REGISTRY,
+    _SEGMENT,
+    buckets=SEGMENT_BUCKETS,
+    registry=REGISTRY,
 )
 TRANSFER = Histogram(
     "baton_gateway_transfer_seconds",
     "Completed requests: the KV pull on the decode worker (0 when prefilled there).",
-    _SEGMENT, buckets=SEGMENT_BUCKETS, registry=REGISTRY,
+    _SEGMENT,
+    buckets=SEGMENT_BUCKETS,
+    registry=REGISTRY,
 )
 DECODE = Histogram(
     "baton_gateway_decode_seconds",
     "Completed requests: the decode worker's first token -> its last token.",
-    _SEGMENT, buckets=SEGMENT_BUCKETS, registry=REGISTRY,
+    _SEGMENT,
+    buckets=SEGMENT_BUCKETS,
+    registry=REGISTRY,
 )
 CLIENT_WAIT = Histogram(
     "baton_gateway_client_wait_seconds",
     "Per request: how long output that was ready waited for the client to take it (a slow reader).",
-    ["model"], buckets=SEGMENT_BUCKETS, registry=REGISTRY,
+    ["model"],
+    buckets=SEGMENT_BUCKETS,
+    registry=REGISTRY,
 )
 PROMPT_TOKENS = Counter(
     "baton_gateway_prompt_tokens",
     "Prompt tokens of the requests placed on a worker (completed, cancelled or failed), by tenant.",
-    _REQUEST, registry=REGISTRY,
+    _REQUEST,
+    registry=REGISTRY,
 )
 GENERATION_TOKENS = Counter(
     "baton_gateway_generation_tokens",
     "Tokens generated for clients (the usage a completed request reports; a cancelled one: what it was sent).",
-    _REQUEST, registry=REGISTRY,
+    _REQUEST,
+    registry=REGISTRY,
 )
 KV_TRANSFER_RETRIES = Counter(
     "baton_gateway_kv_transfer_retries",
@@ -135,13 +175,15 @@ SHADOW_AGREEMENT = Histogram(
 SHADOW_POSITIONS = Counter(
     "baton_gateway_shadow_positions",
     "Next-token distributions compared on the shared prefix of primary and shadow outputs.",
-    SHADOW_PAIR, registry=REGISTRY,
+    SHADOW_PAIR,
+    registry=REGISTRY,
 )
 SHADOW_TOP1_AGREED = Counter(
     "baton_gateway_shadow_top1_agreed",
     "Of the compared positions, those where primary and shadow put the same token first "
     "(top-1 agreement = this / baton_gateway_shadow_positions_total).",
-    SHADOW_PAIR, registry=REGISTRY,
+    SHADOW_PAIR,
+    registry=REGISTRY,
 )
 SHADOW_KL = Histogram(
     "baton_gateway_shadow_kl_nats",
@@ -152,16 +194,25 @@ SHADOW_KL = Histogram(
     registry=REGISTRY,
 )
 SHADOW_TTFT = Histogram(
-    "baton_gateway_shadow_ttft_seconds", "Shadow request started -> its first token (local prefill included).",
-    SHADOW_PAIR, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    "baton_gateway_shadow_ttft_seconds",
+    "Shadow request started -> its first token (local prefill included).",
+    SHADOW_PAIR,
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 SHADOW_ITL = Histogram(
-    "baton_gateway_shadow_itl_seconds", "A shadow request's mean gap between tokens (first to last).",
-    SHADOW_PAIR, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    "baton_gateway_shadow_itl_seconds",
+    "A shadow request's mean gap between tokens (first to last).",
+    SHADOW_PAIR,
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 SHADOW_E2E = Histogram(
-    "baton_gateway_shadow_e2e_seconds", "Shadow request started -> its last token.",
-    SHADOW_PAIR, buckets=LATENCY_BUCKETS, registry=REGISTRY,
+    "baton_gateway_shadow_e2e_seconds",
+    "Shadow request started -> its last token.",
+    SHADOW_PAIR,
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 
 

@@ -18,14 +18,31 @@ from services.gateway.request_stream import Delta, Finished, TokenLogprob, Usage
 
 # Sampling fields passed to SamplingParams as they are (it checks their types and ranges).
 _SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "ignore_eos", "skip_special_tokens", "stop", "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "ignore_eos",
+    "skip_special_tokens",
+    "stop",
+    "stop_token_ids",
 )
 # Fields we accept only at their "off" value: anything else would silently change the meaning.
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "store": (None, False),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
 }
 _IGNORED = ("user", "metadata", "parallel_tool_calls", "service_tier")
 _COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAMPLING_FIELDS, *_ONLY_DEFAULT, *_IGNORED}
@@ -52,8 +69,12 @@ def parse_completion(body: Any, request_id: str | None = None) -> OpenAICall:
     prompt, prompt_ids = _parse_prompt(fields.get("prompt"))
     params = _sampling(fields, fields.get("max_tokens"), fields.get("logprobs"))
     request = GenerationRequest(
-        params=params, prompt=prompt, prompt_token_ids=prompt_ids, request_id=request_id,
-        model=_model(fields), api="http",
+        params=params,
+        prompt=prompt,
+        prompt_token_ids=prompt_ids,
+        request_id=request_id,
+        model=_model(fields),
+        api="http",
     )
     stream, include_usage = _stream_flags(fields)
     return OpenAICall(False, request, stream, include_usage, params.logprobs)
@@ -74,8 +95,12 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
     num_logprobs = (0 if top is None else top) if logprobs else None
     params = _sampling(fields, max_tokens, num_logprobs)
     request = GenerationRequest(
-        params=params, messages=messages, request_id=request_id, model=_model(fields),
-        max_tokens_to_context=max_tokens is None, api="http",
+        params=params,
+        messages=messages,
+        request_id=request_id,
+        model=_model(fields),
+        max_tokens_to_context=max_tokens is None,
+        api="http",
     )
     stream, include_usage = _stream_flags(fields)
     return OpenAICall(True, request, stream, include_usage, params.logprobs)
@@ -136,7 +161,11 @@ def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
         if not prompt:
             raise InvalidRequest("prompt must not be empty")
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         return None, tuple(prompt)
     if prompt is None:
         raise InvalidRequest("prompt is required")
@@ -170,7 +199,11 @@ def _text_content(i: int, content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
             parts.append(part["text"])
         return "".join(parts)
@@ -200,11 +233,18 @@ def logprobs_json(call: OpenAICall, logprobs: Sequence[TokenLogprob], token_text
     if call.logprobs is None:
         return None
     if call.chat:
-        return {"content": [
-            {**_chat_logprob(lp.token_id, lp.logprob, token_text), "top_logprobs": [
-                _chat_logprob(t, v, token_text) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])
-            ]} for lp in logprobs
-        ]}
+        return {
+            "content": [
+                {
+                    **_chat_logprob(lp.token_id, lp.logprob, token_text),
+                    "top_logprobs": [
+                        _chat_logprob(t, v, token_text)
+                        for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])
+                    ],
+                }
+                for lp in logprobs
+            ]
+        }
     texts = [token_text(lp.token_id) for lp in logprobs]
     offsets, pos = [], 0
     for t in texts:
@@ -224,7 +264,13 @@ def _chat_logprob(token_id: int, logprob: float, token_text: TokenText) -> dict[
 
 
 def response_json(
-    call: OpenAICall, rid: str, model: str, created: int, delta: Delta, finished: Finished, token_text: TokenText,
+    call: OpenAICall,
+    rid: str,
+    model: str,
+    created: int,
+    delta: Delta,
+    finished: Finished,
+    token_text: TokenText,
 ) -> dict[str, Any]:
     """The non-streaming response body for the whole output ``delta``."""
     choice: dict[str, Any] = {"index": 0}
@@ -235,27 +281,42 @@ def response_json(
     choice["logprobs"] = logprobs_json(call, delta.logprobs, token_text)
     choice["finish_reason"] = finish_reason(finished)
     return {
-        "id": rid, "object": "chat.completion" if call.chat else "text_completion", "created": created,
-        "model": model, "choices": [choice], "usage": usage_json(finished.usage),
+        "id": rid,
+        "object": "chat.completion" if call.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(finished.usage),
     }
 
 
 def chunk_json(
-    call: OpenAICall, rid: str, model: str, created: int, delta: Delta | None, finished: Finished | None,
-    token_text: TokenText, role: bool = False,
+    call: OpenAICall,
+    rid: str,
+    model: str,
+    created: int,
+    delta: Delta | None,
+    finished: Finished | None,
+    token_text: TokenText,
+    role: bool = False,
 ) -> dict[str, Any]:
     """One stream chunk: a delta, the role opener (chat) or the finish chunk (empty delta)."""
     choice: dict[str, Any] = {"index": 0}
     text = delta.text if delta is not None else ""
     if call.chat:
-        choice["delta"] = {"role": "assistant", "content": ""} if role else ({"content": text} if delta else {})
+        choice["delta"] = (
+            {"role": "assistant", "content": ""} if role else ({"content": text} if delta else {})
+        )
     else:
         choice["text"] = text
     choice["logprobs"] = logprobs_json(call, delta.logprobs, token_text) if delta is not None else None
     choice["finish_reason"] = finish_reason(finished)
     chunk: dict[str, Any] = {
-        "id": rid, "object": "chat.completion.chunk" if call.chat else "text_completion", "created": created,
-        "model": model, "choices": [choice],
+        "id": rid,
+        "object": "chat.completion.chunk" if call.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
     }
     if call.include_usage:
         chunk["usage"] = None
@@ -267,8 +328,12 @@ def chunk_json(
 def usage_chunk_json(call: OpenAICall, rid: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
     """The extra last chunk of stream_options.include_usage: no choices, the usage."""
     return {
-        "id": rid, "object": "chat.completion.chunk" if call.chat else "text_completion", "created": created,
-        "model": model, "choices": [], "usage": usage_json(usage),
+        "id": rid,
+        "object": "chat.completion.chunk" if call.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
     }
 
 

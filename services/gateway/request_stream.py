@@ -75,8 +75,9 @@ class RequestStream:
     """The client-facing end of one request: ``async for event in stream`` yields `Delta` and finally
     one `Finished`; a request that failed raises its `ServingError` after its last delta."""
 
-    def __init__(self, request_id: str, max_buffered_tokens: int,
-                 on_delivered: Callable[[float], object] | None = None) -> None:
+    def __init__(
+        self, request_id: str, max_buffered_tokens: int, on_delivered: Callable[[float], object] | None = None
+    ) -> None:
         """``on_delivered(client_wait_s)`` is called once the client has taken the last event."""
         self.request_id = request_id
         self.max_buffered_tokens = max_buffered_tokens
@@ -122,12 +123,14 @@ class RequestStream:
             self._pending.extend(delta)
         if len(self._pending.token_ids) > self.max_buffered_tokens:
             self.cancel("slow_reader")
-            self.fail(CapacityExceeded(
-                f"request {self.request_id}: the client did not read its stream "
-                f"({len(self._pending.token_ids)} tokens buffered, the limit is {self.max_buffered_tokens}); "
-                "the request was cancelled",
-                retry_after_s=1.0,
-            ))
+            self.fail(
+                CapacityExceeded(
+                    f"request {self.request_id}: the client did not read its stream "
+                    f"({len(self._pending.token_ids)} tokens buffered, the limit is {self.max_buffered_tokens}); "
+                    "the request was cancelled",
+                    retry_after_s=1.0,
+                )
+            )
             return False
         self._wake.set()
         return True

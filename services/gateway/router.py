@@ -22,10 +22,7 @@ from typing import Any, Literal, Protocol
 import grpc
 
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
-from core.errors import (
-    ServingError,
-    Unavailable,
-)
+from core.errors import ServingError, Unavailable
 from core.expiry import Expired, expire_later
 from rpc.errors import error_from_pb, from_rpc_error
 
@@ -152,7 +149,9 @@ class StaticRouter:
             raise Unavailable(f"no decode worker left to try (failed: {', '.join(exclude)})")
         if num_prompt_tokens < self.local_prefill_threshold:
             return Route(decode=decode)
-        return Route(decode=decode, prefill=_next_allowed(self._next_prefill, len(self.prefill_workers), exclude))
+        return Route(
+            decode=decode, prefill=_next_allowed(self._next_prefill, len(self.prefill_workers), exclude)
+        )
 
     def finish(self, request_id: str, route: Route, prompt_tokens: int, completion_tokens: int) -> None:
         pass  # no quotas without a scheduler
@@ -211,7 +210,9 @@ class CallStream:
         self._pending: dict[int, tuple[asyncio.Future[scheduler_pb2.SchedulerReply], Undo | None]] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    async def call(self, timeout_s: float, undo: Undo | None = None, withdraw: bool = True, **call: Any) -> Any:
+    async def call(
+        self, timeout_s: float, undo: Undo | None = None, withdraw: bool = True, **call: Any
+    ) -> Any:
         """Sends one call (``place=...``, ``finish=...``, ...) and returns its reply message; a failure
         is raised as the error the client sees. Cancelled or timed out, the call is abandoned on the
         scheduler (a waiting Place leaves the queue, its quota returned); if it succeeds there all the
@@ -228,7 +229,9 @@ class CallStream:
         try:
             answer = await reply
         except (asyncio.CancelledError, Expired) as e:
-            if withdraw and call_id in self._pending:  # no reply yet: the scheduler undoes it (or its reply is undone)
+            if (
+                withdraw and call_id in self._pending
+            ):  # no reply yet: the scheduler undoes it (or its reply is undone)
                 outbox.put_nowait(scheduler_pb2.SchedulerCall(call_id=call_id, abandon=True))
             if isinstance(e, Expired):
                 raise Unavailable(f"the scheduler {self.address} did not answer in time") from None
@@ -261,8 +264,9 @@ class CallStream:
         self._reader = asyncio.get_running_loop().create_task(self._read(self._stub.Calls(calls()), outbox))
         return outbox
 
-    async def _read(self, stream: grpc.aio.StreamStreamCall,
-                    outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None]) -> None:
+    async def _read(
+        self, stream: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None]
+    ) -> None:
         error: ServingError = Unavailable(f"the scheduler {self.address} closed the call stream")
         try:
             async for batch in stream:
@@ -308,9 +312,13 @@ class SchedulerRouter:
 
     async def route(self, query: RouteQuery) -> Route:
         request = scheduler_pb2.PlaceRequest(
-            request_id=query.request_id, api_key=query.api_key, model=query.model,
-            prompt_token_ids=query.prompt_token_ids, max_tokens=query.max_tokens,
-            exclude_workers=query.exclude, resume=query.resume,
+            request_id=query.request_id,
+            api_key=query.api_key,
+            model=query.model,
+            prompt_token_ids=query.prompt_token_ids,
+            max_tokens=query.max_tokens,
+            exclude_workers=query.exclude,
+            resume=query.resume,
         )
         timeout = self.timeout_s if query.timeout_s is None else min(self.timeout_s, query.timeout_s)
 
@@ -322,8 +330,12 @@ class SchedulerRouter:
 
         resp: scheduler_pb2.PlaceResponse = await self._calls.call(timeout, undo=undo, place=request)
         return Route(
-            decode=resp.decode_worker, prefill=resp.prefill_worker if resp.HasField("prefill_worker") else None,
-            cache_salt=resp.cache_salt, tenant=resp.tenant, version=resp.version, lease_ttl_s=resp.lease_ttl_s,
+            decode=resp.decode_worker,
+            prefill=resp.prefill_worker if resp.HasField("prefill_worker") else None,
+            cache_salt=resp.cache_salt,
+            tenant=resp.tenant,
+            version=resp.version,
+            lease_ttl_s=resp.lease_ttl_s,
             shadow_worker=resp.shadow_worker if resp.HasField("shadow_worker") else None,
             shadow_version=resp.shadow_version,
         )
@@ -332,14 +344,22 @@ class SchedulerRouter:
         self._report(self._finish(request_id, route.tenant, prompt_tokens, completion_tokens))
 
     async def _finish(self, request_id: str, tenant: str, prompt_tokens: int, completion_tokens: int) -> bool:
-        request = scheduler_pb2.FinishRequest(request_id=request_id, tenant=tenant, prompt_tokens=prompt_tokens,
-                                              completion_tokens=completion_tokens)
+        request = scheduler_pb2.FinishRequest(
+            request_id=request_id,
+            tenant=tenant,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
         return await self._call("Finish", request_id, finish=request)
 
     def report_lease(self, event: LeaseEvent, lease: LeaseReport) -> None:
         request = scheduler_pb2.ReportLeaseRequest(
-            event=_LEASE_EVENTS[event], lease_id=lease.lease_id, request_id=lease.request_id,
-            prefill_worker=lease.prefill_worker, decode_worker=lease.decode_worker, num_blocks=lease.num_blocks,
+            event=_LEASE_EVENTS[event],
+            lease_id=lease.lease_id,
+            request_id=lease.request_id,
+            prefill_worker=lease.prefill_worker,
+            decode_worker=lease.decode_worker,
+            num_blocks=lease.num_blocks,
             ttl_s=lease.ttl_s,
         )
         # The scheduler runs a stream's calls as concurrent tasks, so this lease's end may reach Redis
@@ -351,16 +371,29 @@ class SchedulerRouter:
 
     async def _report_shadow(self, r: ShadowReport) -> bool:
         request = scheduler_pb2.ReportShadowRequest(
-            model=r.model, primary_version=r.primary_version, shadow_version=r.shadow_version,
-            identical=r.identical, greedy_agreement=r.greedy_agreement, positions=r.positions,
-            top1_agreed=r.top1_agreed, kl_sum=r.kl_sum, primary_ttft_ms=r.primary_ttft_ms,
-            shadow_ttft_ms=r.shadow_ttft_ms, primary_itl_ms=r.primary_itl_ms, shadow_itl_ms=r.shadow_itl_ms,
+            model=r.model,
+            primary_version=r.primary_version,
+            shadow_version=r.shadow_version,
+            identical=r.identical,
+            greedy_agreement=r.greedy_agreement,
+            positions=r.positions,
+            top1_agreed=r.top1_agreed,
+            kl_sum=r.kl_sum,
+            primary_ttft_ms=r.primary_ttft_ms,
+            shadow_ttft_ms=r.shadow_ttft_ms,
+            primary_itl_ms=r.primary_itl_ms,
+            shadow_itl_ms=r.shadow_itl_ms,
         )
         try:  # a unary call: a share of requests, once each, after both outputs ended
             await self._stub.ReportShadow(request, timeout=REPORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            log.info("shadow report of %s vs %s failed: %s %s", r.shadow_version, r.primary_version,
-                     e.code().name, e.details())
+            log.info(
+                "shadow report of %s vs %s failed: %s %s",
+                r.shadow_version,
+                r.primary_version,
+                e.code().name,
+                e.details(),
+            )
             return False
         return True
 
@@ -384,11 +417,14 @@ class SchedulerRouter:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def list_versions(self, model: str = "", timeout_s: float = 5.0) -> list[scheduler_pb2.ModelVersion]:
+    async def list_versions(
+        self, model: str = "", timeout_s: float = 5.0
+    ) -> list[scheduler_pb2.ModelVersion]:
         """The model versions the scheduler knows, with their healthy worker counts."""
         try:
             resp = await self._stub.ListModelVersions(
-                scheduler_pb2.ListModelVersionsRequest(model=model), timeout=timeout_s)
+                scheduler_pb2.ListModelVersionsRequest(model=model), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as e:
             raise scheduler_error(e, self.address) from None
         return list(resp.versions)

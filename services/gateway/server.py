@@ -69,20 +69,32 @@ class GatewayConfig:
     tokenizer_threads: int = 2
     max_shadow_requests: int = 16  # shadow requests in flight at once; more are skipped
     shadow_timeout: float = 120.0  # longest a shadow request may run, seconds
-    metrics_max_tenants: int = DEFAULT_MAX_TENANTS  # tenants with a metrics label of their own; the rest "other"
+    metrics_max_tenants: int = (
+        DEFAULT_MAX_TENANTS  # tenants with a metrics label of their own; the rest "other"
+    )
 
     def __post_init__(self) -> None:
         if self.scheduler and (self.decode_workers or self.prefill_workers):
             raise ValueError("give either --scheduler or --decode-workers/--prefill-workers, not both")
         if not self.scheduler and not self.decode_workers:
-            raise ValueError("the gateway needs a scheduler (--scheduler host:port) or at least one decode "
-                             "worker (--decode-workers host:port,...)")
+            raise ValueError(
+                "the gateway needs a scheduler (--scheduler host:port) or at least one decode "
+                "worker (--decode-workers host:port,...)"
+            )
         if self.max_migrations < 0 or self.scheduler_timeout <= 0 or self.shadow_timeout <= 0:
-            raise ValueError("max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive")
+            raise ValueError(
+                "max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive"
+            )
         if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0:
             raise ValueError("max_shadow_requests and metrics_max_tenants must be at least 0")
-        for name in ("max_output_tokens", "max_request_bytes", "max_streams_per_connection",
-                     "max_session_requests", "max_buffered_tokens", "tokenizer_threads"):
+        for name in (
+            "max_output_tokens",
+            "max_request_bytes",
+            "max_streams_per_connection",
+            "max_session_requests",
+            "max_buffered_tokens",
+            "tokenizer_threads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -126,29 +138,65 @@ def add_gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     """Registers `baton gateway`."""
     d = GatewayConfig.__dataclass_fields__
     p = sub.add_parser("gateway", help="serve the gRPC and OpenAI HTTP APIs in front of the workers")
-    p.add_argument("--model", default=None, help="model dir or .gguf for the tokenizer (default: the default model)")
-    p.add_argument("--served-model-name", default=None, help="the model's public name (default: the workers')")
+    p.add_argument(
+        "--model", default=None, help="model dir or .gguf for the tokenizer (default: the default model)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's public name (default: the workers')"
+    )
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--grpc-port", type=int, default=d["grpc_port"].default)
     p.add_argument("--http-port", type=int, default=d["http_port"].default)
-    p.add_argument("--scheduler", type=_address, default=None,
-                   help="host:port of the cluster scheduler, which places every request")
-    p.add_argument("--scheduler-timeout", type=float, default=d["scheduler_timeout"].default,
-                   help="seconds a placement may take, queueing included (default: %(default)s)")
-    p.add_argument("--prefill-workers", type=_addresses, default=(),
-                   help="without a scheduler: host:port,... of prefill workers")
-    p.add_argument("--decode-workers", type=_addresses, default=(),
-                   help="without a scheduler: host:port,... of decode workers")
-    p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"].default,
-                   help="without a scheduler: prompts shorter than this many tokens are prefilled on the decode worker")
+    p.add_argument(
+        "--scheduler",
+        type=_address,
+        default=None,
+        help="host:port of the cluster scheduler, which places every request",
+    )
+    p.add_argument(
+        "--scheduler-timeout",
+        type=float,
+        default=d["scheduler_timeout"].default,
+        help="seconds a placement may take, queueing included (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-workers",
+        type=_addresses,
+        default=(),
+        help="without a scheduler: host:port,... of prefill workers",
+    )
+    p.add_argument(
+        "--decode-workers",
+        type=_addresses,
+        default=(),
+        help="without a scheduler: host:port,... of decode workers",
+    )
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=d["local_prefill_threshold"].default,
+        help="without a scheduler: prompts shorter than this many tokens are prefilled on the decode worker",
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
     for name, what in _INT_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=parse_bytes if name == "max_request_bytes" else int,
-                       default=d[name].default, help=f"{what} (default: %(default)s)")
-    p.add_argument("--shadow-timeout", type=float, default=d["shadow_timeout"].default,
-                   help="seconds a shadow request may run (default: %(default)s)")
-    p.add_argument("--startup-timeout", type=float, default=d["startup_timeout"].default,
-                   help="seconds to wait for the workers (or a worker registered with the scheduler) at start-up")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=parse_bytes if name == "max_request_bytes" else int,
+            default=d[name].default,
+            help=f"{what} (default: %(default)s)",
+        )
+    p.add_argument(
+        "--shadow-timeout",
+        type=float,
+        default=d["shadow_timeout"].default,
+        help="seconds a shadow request may run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=d["startup_timeout"].default,
+        help="seconds to wait for the workers (or a worker registered with the scheduler) at start-up",
+    )
     p.set_defaults(func=run_gateway)
 
 
@@ -156,9 +204,17 @@ class GatewayServer:
     """A running gateway: its bound ports, and `stop()`."""
 
     def __init__(
-        self, config: GatewayConfig, grpc_server: grpc.aio.Server, runner: web.AppRunner, grpc_port: int,
-        http_port: int, dispatcher: Dispatcher, workers: WorkerClients, executor: ThreadPoolExecutor,
-        health_task: asyncio.Task[None], router: Router,
+        self,
+        config: GatewayConfig,
+        grpc_server: grpc.aio.Server,
+        runner: web.AppRunner,
+        grpc_port: int,
+        http_port: int,
+        dispatcher: Dispatcher,
+        workers: WorkerClients,
+        executor: ThreadPoolExecutor,
+        health_task: asyncio.Task[None],
+        router: Router,
     ) -> None:
         self.config = config
         self.grpc_port = grpc_port
@@ -197,7 +253,9 @@ async def _static_model(
     config: GatewayConfig, workers: WorkerClients, model_dir: Path, tokenizer: Tokenizer
 ) -> ModelInfo:
     """The model version the configured workers serve (all must agree), from their Info."""
-    infos = await workers.wait_ready((*config.prefill_workers, *config.decode_workers), config.startup_timeout)
+    infos = await workers.wait_ready(
+        (*config.prefill_workers, *config.decode_workers), config.startup_timeout
+    )
     digests = {info.model_digest for info in infos.values()}
     if len(digests) != 1:
         detail = ", ".join(f"{a}: {i.model_digest}" for a, i in infos.items())
@@ -223,8 +281,10 @@ async def _scheduler_model(
             serving = [v for v in await router.list_versions(timeout_s=2.0) if v.num_workers > 0]
             names = sorted({v.model for v in serving})
             if config.served_model_name is None and len(names) > 1:
-                raise ModelLoadError(f"the scheduler serves several models ({', '.join(names)}): name the one "
-                                     "this gateway serves with --served-model-name")
+                raise ModelLoadError(
+                    f"the scheduler serves several models ({', '.join(names)}): name the one "
+                    "this gateway serves with --served-model-name"
+                )
             name = config.served_model_name or (names[0] if names else "")
             versions = [v for v in serving if v.model == name]
             if versions:
@@ -234,13 +294,19 @@ async def _scheduler_model(
         except Unavailable as e:
             problem = e.message
         if time.monotonic() >= deadline:
-            raise Unavailable(f"no worker was ready at the scheduler {router.address} within "
-                              f"{config.startup_timeout:g} s: {problem}")
+            raise Unavailable(
+                f"no worker was ready at the scheduler {router.address} within "
+                f"{config.startup_timeout:g} s: {problem}"
+            )
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
     main = max(versions, key=lambda v: (v.weight, v.num_workers, v.version))
-    return ModelInfo(name=name, version=main.version, max_model_len=min(v.max_model_len for v in versions),
-                     vocab_size=vocab_size(model_dir, tokenizer))
+    return ModelInfo(
+        name=name,
+        version=main.version,
+        max_model_len=min(v.max_model_len for v in versions),
+        vocab_size=vocab_size(model_dir, tokenizer),
+    )
 
 
 def _static_health(workers: WorkerClients, addresses: tuple[str, ...]) -> Health:
@@ -274,20 +340,32 @@ async def _watch_health(check: Health, servicer: health.aio.HealthServicer) -> N
         await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
 
 
-def _grpc_server(config: GatewayConfig, dispatcher: Dispatcher) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+def _grpc_server(
+    config: GatewayConfig, dispatcher: Dispatcher
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """The gRPC server (Gateway, health, reflection) bound to its port, not yet started."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", config.max_request_bytes),
-        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
-        ("grpc.so_reuseport", 0),  # a port already in use is an error, not a shared port
-    ])
-    add_servicer(GatewayServicer(dispatcher, config.max_session_requests), server,
-                 gateway_pb2.DESCRIPTOR.services_by_name["Gateway"], deserializer=lenient_deserializer,
-                 pass_undecodable=True)  # a Session fails an undecodable request alone
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            ("grpc.so_reuseport", 0),  # a port already in use is an error, not a shared port
+        ]
+    )
+    add_servicer(
+        GatewayServicer(dispatcher, config.max_session_requests),
+        server,
+        gateway_pb2.DESCRIPTOR.services_by_name["Gateway"],
+        deserializer=lenient_deserializer,
+        pass_undecodable=True,
+    )  # a Session fails an undecodable request alone
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (GATEWAY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            GATEWAY_SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     try:
@@ -322,14 +400,23 @@ async def _routing(
             await router.close()
             raise
         check = _scheduler_health(router, model.name)
-        log.info("model %s version %s max_model_len %d (scheduler %s)", model.name, model.version,
-                 model.max_model_len, config.scheduler)
+        log.info(
+            "model %s version %s max_model_len %d (scheduler %s)",
+            model.name,
+            model.version,
+            model.max_model_len,
+            config.scheduler,
+        )
         return tokenizer, model, router, check
     model = await _static_model(config, workers, model_dir, tokenizer)
     static = StaticRouter(config.prefill_workers, config.decode_workers, config.local_prefill_threshold)
     addresses = tuple(dict.fromkeys((*config.prefill_workers, *config.decode_workers)))
-    log.info("model %s version %s max_model_len %d (static placement)", model.name, model.version,
-             model.max_model_len)
+    log.info(
+        "model %s version %s max_model_len %d (static placement)",
+        model.name,
+        model.version,
+        model.max_model_len,
+    )
     return tokenizer, model, static, _static_health(workers, addresses)
 
 
@@ -340,11 +427,25 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     router: Router | None = None
     try:
         tokenizer, model, router, check = await _routing(config, workers, executor)
-        limits = Limits(config.max_prompt_tokens, config.max_output_tokens, config.max_buffered_tokens,
-                        config.max_migrations)
-        shadows = ShadowTraffic(workers, config.max_shadow_requests, config.shadow_timeout, router.report_shadow)
-        dispatcher = Dispatcher(tokenizer, model, limits, router, workers, executor, shadows,
-                                BoundedLabel(config.metrics_max_tenants))
+        limits = Limits(
+            config.max_prompt_tokens,
+            config.max_output_tokens,
+            config.max_buffered_tokens,
+            config.max_migrations,
+        )
+        shadows = ShadowTraffic(
+            workers, config.max_shadow_requests, config.shadow_timeout, router.report_shadow
+        )
+        dispatcher = Dispatcher(
+            tokenizer,
+            model,
+            limits,
+            router,
+            workers,
+            executor,
+            shadows,
+            BoundedLabel(config.metrics_max_tenants),
+        )
         server, health_servicer, grpc_port = _grpc_server(config, dispatcher)
         await server.start()
         try:
@@ -359,9 +460,12 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
         executor.shutdown(wait=False)
         raise
     health_task = asyncio.get_running_loop().create_task(_watch_health(check, health_servicer))
-    log.info("gateway serving gRPC on %s:%d and HTTP on %s:%d", config.host, grpc_port, config.host, http_port)
-    return GatewayServer(config, server, runner, grpc_port, http_port, dispatcher, workers, executor, health_task,
-                         router)
+    log.info(
+        "gateway serving gRPC on %s:%d and HTTP on %s:%d", config.host, grpc_port, config.host, http_port
+    )
+    return GatewayServer(
+        config, server, runner, grpc_port, http_port, dispatcher, workers, executor, health_task, router
+    )
 
 
 async def _serve_until_signal(config: GatewayConfig) -> None:

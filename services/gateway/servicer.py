@@ -85,8 +85,10 @@ def _undecodable(cls: type[Message], data: bytes, error: DecodeError) -> Undecod
     if not bad:
         return Undecodable(InvalidRequest(f"the request is not a valid {name} message: {error}"))
     field, e = bad[0]
-    message = (f"{field} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); protobuf "
-               "strings must be UTF-8 text (send token ids as prompt_token_ids)")
+    message = (
+        f"{field} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); protobuf "
+        "strings must be UTF-8 text (send token ids as prompt_token_ids)"
+    )
     return Undecodable(InvalidRequest(message), _request_id(twin))
 
 
@@ -104,6 +106,7 @@ def _request_id(twin: Message) -> str:
 
 def lenient_deserializer(cls: type[Message]) -> Callable[[bytes], Any]:
     """``cls.FromString``, but a message protobuf refuses becomes an `Undecodable`."""
+
     def deserialize(data: bytes) -> Message | Undecodable:
         try:
             return cls.FromString(data)
@@ -122,7 +125,9 @@ def api_key_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) ->
     return values.get("x-api-key", "").strip()
 
 
-def generation_from_pb(msg: gateway_pb2.GenerateRequest, timeout_s: float | None, api_key: str = "") -> GenerationRequest:
+def generation_from_pb(
+    msg: gateway_pb2.GenerateRequest, timeout_s: float | None, api_key: str = ""
+) -> GenerationRequest:
     """A GenerateRequest as the Dispatcher's input; InvalidRequest for bad sampling values."""
     which = msg.WhichOneof("input")
     if which is None:
@@ -155,11 +160,17 @@ def completion_to_pb(finished: Finished) -> gateway_pb2.Completion:
     return gateway_pb2.Completion(
         finish_reason=FINISH_TO_PB[finished.finish_reason],
         usage=common_pb2.Usage(
-            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            cached_tokens=u.cached_tokens,
         ),
         timings=common_pb2.Timings(
-            queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms, decode_ms=t.decode_ms,
-            ttft_ms=t.ttft_ms, e2e_ms=t.e2e_ms,
+            queue_ms=t.queue_ms,
+            prefill_ms=t.prefill_ms,
+            transfer_ms=t.transfer_ms,
+            decode_ms=t.decode_ms,
+            ttft_ms=t.ttft_ms,
+            e2e_ms=t.e2e_ms,
         ),
         stop_reason=finished.stop_reason,
     )
@@ -179,7 +190,10 @@ class GatewaySession:
     """
 
     def __init__(
-        self, dispatcher: Dispatcher, max_requests: int, time_remaining: Callable[[], float | None],
+        self,
+        dispatcher: Dispatcher,
+        max_requests: int,
+        time_remaining: Callable[[], float | None],
         api_key: str = "",
     ) -> None:
         self._dispatcher = dispatcher
@@ -222,10 +236,13 @@ class GatewaySession:
     async def _start(self, msg: gateway_pb2.GenerateRequest) -> None:
         rid = msg.request_id if msg.HasField("request_id") and msg.request_id else uuid.uuid4().hex
         if len(self._streams) >= self._max_requests:
-            await self._send_error(rid, CapacityExceeded(
-                f"this session already runs {len(self._streams)} requests, the limit is {self._max_requests}",
-                retry_after_s=1.0,
-            ))
+            await self._send_error(
+                rid,
+                CapacityExceeded(
+                    f"this session already runs {len(self._streams)} requests, the limit is {self._max_requests}",
+                    retry_after_s=1.0,
+                ),
+            )
             return
         try:
             request = replace(generation_from_pb(msg, self._time_remaining(), self._api_key), request_id=rid)
@@ -243,7 +260,9 @@ class GatewaySession:
         try:
             async for event in stream:
                 if isinstance(event, Delta):
-                    await self._outbox.put(gateway_pb2.SessionResponse(request_id=rid, delta=delta_to_pb(event)))
+                    await self._outbox.put(
+                        gateway_pb2.SessionResponse(request_id=rid, delta=delta_to_pb(event))
+                    )
                 else:
                     await self._outbox.put(
                         gateway_pb2.SessionResponse(request_id=rid, completion=completion_to_pb(event))
@@ -274,11 +293,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._max_session_requests = max_session_requests
 
     async def Session(  # noqa: N802 (gRPC method names)
-        self, request_iterator: AsyncIterator[gateway_pb2.SessionRequest | Undecodable],
+        self,
+        request_iterator: AsyncIterator[gateway_pb2.SessionRequest | Undecodable],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.SessionResponse]:
-        session = GatewaySession(self._dispatcher, self._max_session_requests, context.time_remaining,
-                                 api_key_from_metadata(context.invocation_metadata()))
+        session = GatewaySession(
+            self._dispatcher,
+            self._max_session_requests,
+            context.time_remaining,
+            api_key_from_metadata(context.invocation_metadata()),
+        )
         reader = asyncio.get_running_loop().create_task(session.read(request_iterator))
         try:
             async for msg in session.responses():
@@ -312,5 +336,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.ListModelsResponse:
         model = self._dispatcher.model
         return gateway_pb2.ListModelsResponse(
-            models=[gateway_pb2.Model(name=model.name, version=model.version, max_model_len=model.max_model_len)]
+            models=[
+                gateway_pb2.Model(name=model.name, version=model.version, max_model_len=model.max_model_len)
+            ]
         )

@@ -167,8 +167,12 @@ class DistributionAgreement:
         return self.kl_sum / self.positions if self.positions else 0.0
 
 
-def distribution_agreement(primary: Sequence[int], shadow: Sequence[int], primary_top: Sequence[TopLogprobs],
-                           shadow_top: Sequence[TopLogprobs]) -> DistributionAgreement:
+def distribution_agreement(
+    primary: Sequence[int],
+    shadow: Sequence[int],
+    primary_top: Sequence[TopLogprobs],
+    shadow_top: Sequence[TopLogprobs],
+) -> DistributionAgreement:
     """Top-1 agreement and KL(primary || shadow) over the positions of the shared prefix where both
     returned their top logprobs."""
     n = min(shared_prefix_positions(primary, shadow), len(primary_top), len(shadow_top))
@@ -187,8 +191,13 @@ def _itl_s(ttft_s: float, e2e_s: float, num_tokens: int) -> float:
 class ShadowRun:
     """One mirrored request: its background task, told how the primary ended."""
 
-    def __init__(self, request: ShadowRequest, workers: WorkerClients, timeout_s: float,
-                 report: Callable[[ShadowReport], None] | None = None) -> None:
+    def __init__(
+        self,
+        request: ShadowRequest,
+        workers: WorkerClients,
+        timeout_s: float,
+        report: Callable[[ShadowReport], None] | None = None,
+    ) -> None:
         self.request = request
         self._workers = workers
         self._timeout_s = timeout_s
@@ -228,17 +237,26 @@ class ShadowRun:
             primary = await self._primary
             self._outcome = self._record(primary, shadow)
         except (ServingError, TimeoutError) as e:
-            log.info("request %s: shadow on %s (version %s) %s: %s", self.request.request_id, self.request.worker,
-                     self.request.version, self._outcome, getattr(e, "message", None) or "no answer in time")
+            log.info(
+                "request %s: shadow on %s (version %s) %s: %s",
+                self.request.request_id,
+                self.request.worker,
+                self.request.version,
+                self._outcome,
+                getattr(e, "message", None) or "no answer in time",
+            )
         except Exception:  # a bug in the shadow path must never reach the client's request
             log.exception("request %s: shadow failed", self.request.request_id)
 
     async def _decode(self) -> ShadowResult:
         r = self.request
         start = time.perf_counter()
-        message = worker_pb2.DecodeRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                                           sampling=sampling_to_pb(with_top_logprobs(r.params)),
-                                           cache_salt=r.cache_salt)
+        message = worker_pb2.DecodeRequest(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            sampling=sampling_to_pb(with_top_logprobs(r.params)),
+            cache_salt=r.cache_salt,
+        )
         token_ids: list[int] = []
         top: list[TopLogprobs] = []
         ttft_s = 0.0
@@ -273,23 +291,53 @@ class ShadowRun:
         log.info(
             "request %s shadowed on %s: version %s vs %s %s agreement=%.3f top1=%.3f kl=%.4f positions=%d "
             "tokens=%d/%d first_divergence=%s ttft=%.1fms itl=%.1fms (primary ttft=%.1fms itl=%.1fms)",
-            r.request_id, r.worker, r.version, r.primary_version, "identical" if identical else "diverged",
-            agreement, dist.top1_agreement, dist.mean_kl, dist.positions, len(shadow.token_ids),
-            len(primary.token_ids), first_divergence(primary.token_ids, shadow.token_ids), shadow.ttft_s * 1e3,
-            s_itl * 1e3, primary.ttft_s * 1e3, p_itl * 1e3,
+            r.request_id,
+            r.worker,
+            r.version,
+            r.primary_version,
+            "identical" if identical else "diverged",
+            agreement,
+            dist.top1_agreement,
+            dist.mean_kl,
+            dist.positions,
+            len(shadow.token_ids),
+            len(primary.token_ids),
+            first_divergence(primary.token_ids, shadow.token_ids),
+            shadow.ttft_s * 1e3,
+            s_itl * 1e3,
+            primary.ttft_s * 1e3,
+            p_itl * 1e3,
         )
         if self._report is not None:
-            self._report(ShadowReport(
-                r.model, r.primary_version, r.version, identical, agreement, dist.positions, dist.top1_agreed,
-                dist.kl_sum, primary.ttft_s * 1e3, shadow.ttft_s * 1e3, p_itl * 1e3, s_itl * 1e3))
+            self._report(
+                ShadowReport(
+                    r.model,
+                    r.primary_version,
+                    r.version,
+                    identical,
+                    agreement,
+                    dist.positions,
+                    dist.top1_agreed,
+                    dist.kl_sum,
+                    primary.ttft_s * 1e3,
+                    shadow.ttft_s * 1e3,
+                    p_itl * 1e3,
+                    s_itl * 1e3,
+                )
+            )
         return "identical" if identical else "diverged"
 
 
 class ShadowTraffic:
     """Starts shadows, at most ``max_in_flight`` at once, each for at most ``timeout_s``."""
 
-    def __init__(self, workers: WorkerClients, max_in_flight: int = 16, timeout_s: float = 120.0,
-                 report: Callable[[ShadowReport], None] | None = None) -> None:
+    def __init__(
+        self,
+        workers: WorkerClients,
+        max_in_flight: int = 16,
+        timeout_s: float = 120.0,
+        report: Callable[[ShadowReport], None] | None = None,
+    ) -> None:
         self._workers = workers
         self.max_in_flight = max_in_flight
         self.timeout_s = timeout_s
@@ -304,8 +352,12 @@ class ShadowTraffic:
         """Mirrors ``request`` in the background; None (counted as skipped) when too many already run."""
         if len(self._runs) >= self.max_in_flight:
             metrics.SHADOW_REQUESTS.labels("skipped").inc()
-            log.info("request %s: shadow on %s skipped (%d shadows in flight)", request.request_id, request.worker,
-                     len(self._runs))
+            log.info(
+                "request %s: shadow on %s skipped (%d shadows in flight)",
+                request.request_id,
+                request.worker,
+                len(self._runs),
+            )
             return None
         run = ShadowRun(request, self._workers, self.timeout_s, self._report)
         self._runs.add(run)
@@ -319,8 +371,13 @@ class ShadowTraffic:
         metrics.SHADOW_IN_FLIGHT.dec()
         metrics.SHADOW_REQUESTS.labels(run.outcome).inc()
         if run.task.cancelled():  # the other outcomes logged their own line
-            log.info("request %s: shadow on %s (version %s) %s", run.request.request_id, run.request.worker,
-                     run.request.version, run.outcome)
+            log.info(
+                "request %s: shadow on %s (version %s) %s",
+                run.request.request_id,
+                run.request.worker,
+                run.request.version,
+                run.outcome,
+            )
 
     async def close(self) -> None:
         """Cancels every shadow still running (the gateway is stopping)."""

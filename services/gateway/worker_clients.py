@@ -55,7 +55,9 @@ class WorkerClients:
             raise worker_error(e, address) from None
         return response
 
-    async def wait_ready(self, addresses: Iterable[str], timeout_s: float) -> dict[str, worker_pb2.InfoResponse]:
+    async def wait_ready(
+        self, addresses: Iterable[str], timeout_s: float
+    ) -> dict[str, worker_pb2.InfoResponse]:
         """Info of every worker, retrying until each answers; Unavailable naming the silent ones after
         ``timeout_s`` (workers load their model before they serve, so a cluster starts in any order)."""
         pending = list(dict.fromkeys(addresses))

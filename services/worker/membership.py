@@ -30,8 +30,13 @@ class Membership:
     changed is published at once, at most every ``LOAD_BEAT_S``: admission waits on it (a finished
     request frees a slot that a queued one may take), so it must not be a second old."""
 
-    def __init__(self, scheduler: str, aengine: AsyncEngine,
-                 info: Callable[[LLMEngine], worker_pb2.InfoResponse], role: str) -> None:
+    def __init__(
+        self,
+        scheduler: str,
+        aengine: AsyncEngine,
+        info: Callable[[LLMEngine], worker_pb2.InfoResponse],
+        role: str,
+    ) -> None:
         self.scheduler = scheduler
         self.aengine = aengine
         self._info = info
@@ -74,7 +79,9 @@ class Membership:
                     known = await self._load_beats(time.monotonic() + self.interval_s)
             except grpc.aio.AioRpcError as e:
                 known = False
-                log.warning("scheduler %s unreachable (%s); retrying in %.1fs", self.scheduler, e.code().name, backoff)
+                log.warning(
+                    "scheduler %s unreachable (%s); retrying in %.1fs", self.scheduler, e.code().name, backoff
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
 
@@ -94,26 +101,39 @@ class Membership:
             if _key(load) == self._sent:
                 continue
             reply = await self._stub.Heartbeat(
-                scheduler_pb2.HeartbeatRequest(address=self.address, load=load, load_only=True), timeout=5.0)
+                scheduler_pb2.HeartbeatRequest(address=self.address, load=load, load_only=True), timeout=5.0
+            )
             if not reply.known:
                 return False
             self._sent = _key(load)
         return True
 
     def _load(self, info: worker_pb2.InfoResponse) -> scheduler_pb2.WorkerLoad:
-        return scheduler_pb2.WorkerLoad(free_blocks=info.num_free_blocks, running=info.num_running,
-                                        waiting=info.num_waiting, transfers=info.num_transfers,
-                                        leases=info.num_leases, draining=self.draining)
+        return scheduler_pb2.WorkerLoad(
+            free_blocks=info.num_free_blocks,
+            running=info.num_running,
+            waiting=info.num_waiting,
+            transfers=info.num_transfers,
+            leases=info.num_leases,
+            draining=self.draining,
+        )
 
     async def _register(self) -> None:
         info, _ = await self._snapshot()
         record = scheduler_pb2.WorkerRecord(
-            address=info.address, role=self.role, model=info.model, version=info.model_digest,
-            num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
-            kv_backend=info.kv_backend)
+            address=info.address,
+            role=self.role,
+            model=info.model,
+            version=info.model_digest,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            kv_backend=info.kv_backend,
+        )
         load = self._load(info)
         reply = await self._stub.RegisterWorker(
-            scheduler_pb2.RegisterWorkerRequest(worker=record, load=load), timeout=5.0)
+            scheduler_pb2.RegisterWorkerRequest(worker=record, load=load), timeout=5.0
+        )
         self._sent = _key(load)
         self.interval_s = max(0.05, reply.heartbeat_interval_s or 1.0)
         self.address = info.address
@@ -124,7 +144,8 @@ class Membership:
         load = self._load(info)
         reply = await self._stub.Heartbeat(
             scheduler_pb2.HeartbeatRequest(address=info.address, load=load, cached_block_hashes=hashes),
-            timeout=timeout_s)
+            timeout=timeout_s,
+        )
         self._sent = _key(load)
         return bool(reply.known)
 
@@ -153,8 +174,9 @@ class RecentCancels:
         return request_id in self._ids
 
 
-async def listen_for_cancels(redis_url: str, abort: Callable[[str], object], recent: RecentCancels
-                             ) -> Callable[[], Awaitable[None]]:
+async def listen_for_cancels(
+    redis_url: str, abort: Callable[[str], object], recent: RecentCancels
+) -> Callable[[], Awaitable[None]]:
     """Subscribes to the cancellation bus; ``abort(request_id)`` runs for every cancel (idempotent)
     and the id is remembered in ``recent``. Returns an async stop function."""
     import redis.asyncio as aioredis

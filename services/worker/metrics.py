@@ -61,38 +61,83 @@ class _WorkerStatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s, g, c = self.stats, self._gauge, self._counter
-        leases = CounterMetricFamily("baton_worker_leases_ended",
-                                     "KV leases this prefill worker ended, by how (released by the decode "
-                                     "worker, expired, aborted).", labels=[*self.names, "outcome"])
-        for outcome, n in (("released", s.leases_released), ("expired", s.leases_expired),
-                           ("aborted", s.leases_aborted)):
+        leases = CounterMetricFamily(
+            "baton_worker_leases_ended",
+            "KV leases this prefill worker ended, by how (released by the decode worker, expired, aborted).",
+            labels=[*self.names, "outcome"],
+        )
+        for outcome, n in (
+            ("released", s.leases_released),
+            ("expired", s.leases_expired),
+            ("aborted", s.leases_aborted),
+        ):
             leases.add_metric([*self.values, outcome], n)
         return [
             g("baton_worker_requests_running", "Requests in the running batch.", s.num_running),
-            g("baton_worker_requests_waiting", "Requests waiting for blocks or a batch slot (preempted included).",
-              s.num_waiting),
-            g("baton_worker_transfers_in_flight", "KV pulls in flight on this (decode) worker.", s.num_transfers),
+            g(
+                "baton_worker_requests_waiting",
+                "Requests waiting for blocks or a batch slot (preempted included).",
+                s.num_waiting,
+            ),
+            g(
+                "baton_worker_transfers_in_flight",
+                "KV pulls in flight on this (decode) worker.",
+                s.num_transfers,
+            ),
             g("baton_worker_kv_blocks", "KV cache blocks in total.", s.num_blocks),
-            g("baton_worker_kv_blocks_free", "KV blocks an allocation may take now (free or cached, unreferenced).",
-              s.num_free_blocks),
-            g("baton_worker_kv_blocks_used", "KV blocks referenced by requests or pinned.",
-              s.num_blocks - s.num_free_blocks),
-            g("baton_worker_kv_blocks_pinned", "KV blocks pinned for a peer's pull (leases) or a cancelled pull.",
-              s.num_pinned_blocks),
-            g("baton_worker_leases_held", "KV leases this prefill worker holds for decode workers.", s.num_leases),
+            g(
+                "baton_worker_kv_blocks_free",
+                "KV blocks an allocation may take now (free or cached, unreferenced).",
+                s.num_free_blocks,
+            ),
+            g(
+                "baton_worker_kv_blocks_used",
+                "KV blocks referenced by requests or pinned.",
+                s.num_blocks - s.num_free_blocks,
+            ),
+            g(
+                "baton_worker_kv_blocks_pinned",
+                "KV blocks pinned for a peer's pull (leases) or a cancelled pull.",
+                s.num_pinned_blocks,
+            ),
+            g(
+                "baton_worker_leases_held",
+                "KV leases this prefill worker holds for decode workers.",
+                s.num_leases,
+            ),
             leases,
-            c("baton_worker_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-              s.prefix_query_tokens),
-            c("baton_worker_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hit_tokens),
-            c("baton_worker_prefix_cache_evictions", "Cached blocks evicted to make room.", s.prefix_evictions),
-            c("baton_worker_preemptions", "Requests preempted (blocks freed, recomputed later) under memory "
-              "pressure.", s.preemptions),
+            c(
+                "baton_worker_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_query_tokens,
+            ),
+            c(
+                "baton_worker_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_hit_tokens,
+            ),
+            c(
+                "baton_worker_prefix_cache_evictions",
+                "Cached blocks evicted to make room.",
+                s.prefix_evictions,
+            ),
+            c(
+                "baton_worker_preemptions",
+                "Requests preempted (blocks freed, recomputed later) under memory pressure.",
+                s.preemptions,
+            ),
             c("baton_worker_steps", "Engine steps run.", s.steps),
-            c("baton_worker_scheduled_tokens", "Tokens run through the model (prompt chunks and decodes).",
-              s.scheduled_tokens),
+            c(
+                "baton_worker_scheduled_tokens",
+                "Tokens run through the model (prompt chunks and decodes).",
+                s.scheduled_tokens,
+            ),
             c("baton_worker_sampled_tokens", "Tokens sampled.", s.sampled_tokens),
-            c("baton_worker_slow_reader_aborts", "Requests ended because their reader fell behind "
-              "(--max-pending-outputs).", s.slow_reader_aborts),
+            c(
+                "baton_worker_slow_reader_aborts",
+                "Requests ended because their reader fell behind (--max-pending-outputs).",
+                s.slow_reader_aborts,
+            ),
         ]
 
 
@@ -107,34 +152,67 @@ class WorkerMetrics:
         names, r = self.LABELS, self.registry
         self._ident = ident
         self.requests = Counter(
-            "baton_worker_requests", "Prefill and Decode calls that ended, by rpc (prefill, decode) and outcome "
-            "(ok, cancelled, or the error's gRPC code).", [*names, "rpc", "outcome"], registry=r)
+            "baton_worker_requests",
+            "Prefill and Decode calls that ended, by rpc (prefill, decode) and outcome "
+            "(ok, cancelled, or the error's gRPC code).",
+            [*names, "rpc", "outcome"],
+            registry=r,
+        )
         self.queue = Histogram(
-            "baton_worker_queue_seconds", "Added to the engine -> first scheduled (requests this worker "
-            "prefills; a handed-off decode joins the batch directly).", names, buckets=SEGMENT_BUCKETS,
-            registry=r).labels(*ident)
+            "baton_worker_queue_seconds",
+            "Added to the engine -> first scheduled (requests this worker "
+            "prefills; a handed-off decode joins the batch directly).",
+            names,
+            buckets=SEGMENT_BUCKETS,
+            registry=r,
+        ).labels(*ident)
         self.prefill = Histogram(
-            "baton_worker_prefill_seconds", "First scheduled -> first token (the prompt's forward passes).",
-            names, buckets=SEGMENT_BUCKETS, registry=r).labels(*ident)
+            "baton_worker_prefill_seconds",
+            "First scheduled -> first token (the prompt's forward passes).",
+            names,
+            buckets=SEGMENT_BUCKETS,
+            registry=r,
+        ).labels(*ident)
         self.decode = Histogram(
-            "baton_worker_decode_seconds", "Completed decodes: this worker's first token -> its last.",
-            names, buckets=LATENCY_BUCKETS, registry=r).labels(*ident)
+            "baton_worker_decode_seconds",
+            "Completed decodes: this worker's first token -> its last.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(*ident)
         self.transfer = Histogram(
-            "baton_worker_kv_transfer_seconds", "KV pulls from a peer (prefill worker): started -> landed.",
-            [*names, "peer"], buckets=SEGMENT_BUCKETS, registry=r)
+            "baton_worker_kv_transfer_seconds",
+            "KV pulls from a peer (prefill worker): started -> landed.",
+            [*names, "peer"],
+            buckets=SEGMENT_BUCKETS,
+            registry=r,
+        )
         self.transfer_bytes = Counter(
-            "baton_worker_kv_transfer_bytes", "KV bytes pulled from a peer (blocks the local prefix cache lacked).",
-            [*names, "peer"], registry=r)
+            "baton_worker_kv_transfer_bytes",
+            "KV bytes pulled from a peer (blocks the local prefix cache lacked).",
+            [*names, "peer"],
+            registry=r,
+        )
         self.transfer_failures = Counter(
-            "baton_worker_kv_transfer_failures", "KV handoffs from a peer that failed (metadata, pull, timeout).",
-            [*names, "peer"], registry=r)
+            "baton_worker_kv_transfer_failures",
+            "KV handoffs from a peer that failed (metadata, pull, timeout).",
+            [*names, "peer"],
+            registry=r,
+        )
         self.aborts = Counter(
-            "baton_worker_aborts", "Requests aborted here (a cancelled call, Abort, the cancellation bus).",
-            names, registry=r).labels(*ident)
+            "baton_worker_aborts",
+            "Requests aborted here (a cancelled call, Abort, the cancellation bus).",
+            names,
+            registry=r,
+        ).labels(*ident)
         self.abort_seconds = Histogram(
-            "baton_worker_abort_seconds", "Abort asked -> the request dropped and its blocks back in the pool "
-            "(a cancelled pull's blocks drain later, not counted).", names, buckets=SEGMENT_BUCKETS,
-            registry=r).labels(*ident)
+            "baton_worker_abort_seconds",
+            "Abort asked -> the request dropped and its blocks back in the pool "
+            "(a cancelled pull's blocks drain later, not counted).",
+            names,
+            buckets=SEGMENT_BUCKETS,
+            registry=r,
+        ).labels(*ident)
         self.engine = _WorkerStatsCollector(names, ident)
         r.register(self.engine)
 

@@ -31,9 +31,7 @@ from engine.llm_engine import LLMEngine
 from kv_transfer.transport import KVTransport, make_transport
 from prefill_worker.handoff import PrefillHandoff, kv_layout
 from prefill_worker.rpc import PrefillRPC
-from rpc.convert import (
-    layout_to_pb,
-)
+from rpc.convert import layout_to_pb
 from rpc.metrics import MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
@@ -45,16 +43,20 @@ from services.worker.shell import WorkerShell
 log = logging.getLogger(__name__)
 
 
-
-ROLE_TO_PB = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE,
-              "both": worker_pb2.WORKER_ROLE_BOTH}
+ROLE_TO_PB = {
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+    "both": worker_pb2.WORKER_ROLE_BOTH,
+}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`baton.v1.Worker` on one engine: `Prefill` by the prefill role (`prefill_worker.rpc`), `Decode` by
     the decode role (`decode_worker.rpc`), and what every worker answers: Abort, Info, TransferMetadata."""
 
-    def __init__(self, shell: WorkerShell, prefill: PrefillHandoff | None, decode: DecodeHandoff | None) -> None:
+    def __init__(
+        self, shell: WorkerShell, prefill: PrefillHandoff | None, decode: DecodeHandoff | None
+    ) -> None:
         self.shell = shell
         self.prefill = prefill
         self.decode = decode
@@ -68,25 +70,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _wrong_role(self) -> RoleMismatch:
         return RoleMismatch(f"this worker's role is {self.shell.config.role}")
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> worker_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
         if self.prefill_rpc is None:
             raise self._wrong_role()
         return await self.prefill_rpc.prefill(request, context)
 
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-                     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         if self.decode_rpc is None:
             raise self._wrong_role()
         async with contextlib.aclosing(self.decode_rpc.decode(request, context)) as responses:
             async for response in responses:  # its finally runs when the call ends, not at collection
                 yield response
 
-    async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
-                    ) -> worker_pb2.AbortResponse:
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
         rid, asked = request.request_id, time.monotonic()
         return worker_pb2.AbortResponse(
-            found=await self.shell.call(lambda e: self.abort_everywhere(e, rid, asked)))
+            found=await self.shell.call(lambda e: self.abort_everywhere(e, rid, asked))
+        )
 
     def abort_everywhere(self, engine: LLMEngine, rid: str, asked: float | None = None) -> bool:
         """Engine thread: stops the request in whatever stage it is here (idempotent). ``asked``: when
@@ -101,33 +107,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.metrics.aborted(time.monotonic() - asked)
         return found
 
-    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
-                   ) -> worker_pb2.InfoResponse:
+    async def Info(
+        self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.InfoResponse:
         return await self.shell.call(self.snapshot)
 
     def snapshot(self, engine: LLMEngine) -> worker_pb2.InfoResponse:
         """Engine thread: capacity and load (Info, and the heartbeats to the scheduler)."""
         kv, shell = engine.kv, self.shell
         return worker_pb2.InfoResponse(
-            role=ROLE_TO_PB[shell.config.role], model=shell.model_name,
+            role=ROLE_TO_PB[shell.config.role],
+            model=shell.model_name,
             model_digest=shell.transport.layout.model_digest,
-            max_model_len=engine.max_model_len, num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
-            num_pinned_blocks=kv.num_pinned_blocks, num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting), num_transfers=self._num_pulls(),
+            max_model_len=engine.max_model_len,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_pinned_blocks=kv.num_pinned_blocks,
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_transfers=self._num_pulls(),
             num_leases=len(self.prefill.leases) if self.prefill is not None else 0,
-            block_size=kv.block_size, kv_backend=_backend(shell.transport), address=shell.address,
+            block_size=kv.block_size,
+            kv_backend=_backend(shell.transport),
+            address=shell.address,
         )
 
     def stats(self, engine: LLMEngine) -> WorkerStats:
         """Engine thread: what a scrape of /metrics shows of the engine (plain reads, no locks)."""
         kv, sched, p, aengine = engine.kv, engine.scheduler, self.prefill, self.shell.aengine
         return WorkerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_transfers=self._num_pulls(),
-            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, num_pinned_blocks=kv.num_pinned_blocks,
-            num_leases=len(p.leases) if p is not None else 0, prefix_query_tokens=kv.stats.num_query_tokens,
-            prefix_hit_tokens=kv.stats.num_hit_tokens, prefix_evictions=kv.stats.num_evictions,
-            preemptions=sched.num_preemptions, steps=aengine.num_steps,
-            scheduled_tokens=engine.num_scheduled_tokens, sampled_tokens=engine.num_sampled_tokens,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_transfers=self._num_pulls(),
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_pinned_blocks=kv.num_pinned_blocks,
+            num_leases=len(p.leases) if p is not None else 0,
+            prefix_query_tokens=kv.stats.num_query_tokens,
+            prefix_hit_tokens=kv.stats.num_hit_tokens,
+            prefix_evictions=kv.stats.num_evictions,
+            preemptions=sched.num_preemptions,
+            steps=aengine.num_steps,
+            scheduled_tokens=engine.num_scheduled_tokens,
+            sampled_tokens=engine.num_sampled_tokens,
             slow_reader_aborts=aengine.num_slow_reader_aborts,
             leases_released=p.num_released if p is not None else 0,
             leases_expired=p.num_expired if p is not None else 0,
@@ -140,13 +162,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def refresh_metrics(self) -> None:
         self.metrics.engine.stats = await self.shell.aengine.call(self.stats)
 
-    async def TransferMetadata(self, request: worker_pb2.TransferMetadataRequest,
-                               context: grpc.aio.ServicerContext) -> worker_pb2.TransferMetadataResponse:
+    async def TransferMetadata(
+        self, request: worker_pb2.TransferMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TransferMetadataResponse:
         transport = self.shell.transport
         meta = await self.shell.call(lambda e: transport.metadata())
         return worker_pb2.TransferMetadataResponse(
-            backend=_backend(transport), name=transport.name, metadata=meta,
-            compat_hash=transport.layout.compat_hash, layout=layout_to_pb(transport.layout))
+            backend=_backend(transport),
+            name=transport.name,
+            metadata=meta,
+            compat_hash=transport.layout.compat_hash,
+            layout=layout_to_pb(transport.layout),
+        )
 
     def post_abort(self, rid: str) -> None:
         """An abort from the cancellation bus: queued for the engine thread, timed."""
@@ -190,13 +217,19 @@ class WorkerServer:
 
 async def serve_worker(config: WorkerConfig) -> WorkerServer:
     """Loads the engine, binds the port, registers the KV cache, and starts serving (health SERVING)."""
-    engine_config = EngineConfig(model=config.model, kv_cache_memory=config.kv_cache_memory,
-                                 dtype=config.dtype, quantization=config.quantization,
-                                 block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                 long_prefill_chunk=config.long_prefill_chunk,
-                                 heavy_prefill_chunk=config.heavy_prefill_chunk or 0,
-                                 mixed_prefill_tokens=config.mixed_prefill_tokens, num_threads=config.threads)
+    engine_config = EngineConfig(
+        model=config.model,
+        kv_cache_memory=config.kv_cache_memory,
+        dtype=config.dtype,
+        quantization=config.quantization,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        long_prefill_chunk=config.long_prefill_chunk,
+        heavy_prefill_chunk=config.heavy_prefill_chunk or 0,
+        mixed_prefill_tokens=config.mixed_prefill_tokens,
+        num_threads=config.threads,
+    )
     # Every torch op, the engine's construction and the KV cache's registration included, runs on the
     # engine thread (see AsyncEngine.launch).
     aengine = await AsyncEngine.launch(lambda: LLMEngine(engine_config), config.max_pending_outputs)
@@ -207,9 +240,14 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         address = f"{config.host}:{port}"
         transport = make_transport(config.kv_transport, address, kv_layout(aengine.engine))
-        prefill, decode = await aengine.call(lambda engine: (
-            PrefillHandoff(engine, transport, config.lease_ttl_s) if config.role in ("prefill", "both") else None,
-            DecodeHandoff(engine, transport) if config.role in ("decode", "both") else None))
+        prefill, decode = await aengine.call(
+            lambda engine: (
+                PrefillHandoff(engine, transport, config.lease_ttl_s)
+                if config.role in ("prefill", "both")
+                else None,
+                DecodeHandoff(engine, transport) if config.role in ("decode", "both") else None,
+            )
+        )
     except BaseException:
         aengine.stop()
         raise
@@ -218,12 +256,19 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
         aengine.service_hooks.append(prefill.service)
     servicer = WorkerServicer(WorkerShell(config, aengine, transport, address), prefill, decode)
     aengine.on_abort = servicer.metrics.aborted
-    add_servicer(servicer, server, worker_pb2.DESCRIPTOR.services_by_name["Worker"])  # malformed → INVALID_ARGUMENT
+    add_servicer(
+        servicer, server, worker_pb2.DESCRIPTOR.services_by_name["Worker"]
+    )  # malformed → INVALID_ARGUMENT
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, "grpc.health.v1.Health",
-         reflection.SERVICE_NAME], server)
+        [
+            worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+            "grpc.health.v1.Health",
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
     await server.start()
     for name in ("", "baton.v1.Worker"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -238,12 +283,19 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
         worker.metrics_endpoint = endpoint
     if config.redis_url:
         worker.stop_bus = await listen_for_cancels(
-            config.redis_url, lambda rid: servicer.post_abort(rid), servicer.shell.recent_cancels)
+            config.redis_url, lambda rid: servicer.post_abort(rid), servicer.shell.recent_cancels
+        )
     if config.scheduler:
         worker.membership = Membership(config.scheduler, aengine, servicer.snapshot, config.role)
         worker.membership.start()
-    log.info("worker ready: role=%s address=%s model=%s kv=%s metrics=%s", config.role, address, engine.model_dir,
-             type(transport).__name__, worker.metrics_url or "off")
+    log.info(
+        "worker ready: role=%s address=%s model=%s kv=%s metrics=%s",
+        config.role,
+        address,
+        engine.model_dir,
+        type(transport).__name__,
+        worker.metrics_url or "off",
+    )
     return worker
 
 
@@ -257,4 +309,3 @@ async def serve_until_signal(config: WorkerConfig) -> None:
     await stop.wait()
     log.info("worker %s stopping", worker.address)
     await worker.stop()
-

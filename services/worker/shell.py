@@ -25,7 +25,9 @@ T = TypeVar("T")
 class WorkerShell:
     """One worker process's shared state. Every engine access goes through the engine thread."""
 
-    def __init__(self, config: WorkerConfig, aengine: AsyncEngine, transport: KVTransport, address: str) -> None:
+    def __init__(
+        self, config: WorkerConfig, aengine: AsyncEngine, transport: KVTransport, address: str
+    ) -> None:
         self.config = config
         self.aengine = aengine
         self.transport = transport

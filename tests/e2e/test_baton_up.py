@@ -51,7 +51,9 @@ def stop_up(up: Up) -> None:
     up.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
     assert up.proc.wait(30) == 0, "baton up did not exit cleanly on Ctrl-C"
     for pid in children:  # every process it started is gone (reaped by it)
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        assert (
+            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        )
 
 
 def shut_down(up: Up) -> None:
@@ -73,19 +75,27 @@ def tiny_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         shut_down(up)
 
 
-def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(tiny_up: Up, tiny_llama: Path) -> None:
+def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(
+    tiny_up: Up, tiny_llama: Path
+) -> None:
     from core.sampling_params import SamplingParams
     from engine import LLM
 
-    assert len(tiny_up.children()) == 5, "redis, scheduler, gateway, prefill and decode worker: separate processes"
+    assert len(tiny_up.children()) == 5, (
+        "redis, scheduler, gateway, prefill and decode worker: separate processes"
+    )
     assert "curl" in tiny_up.banner, "the banner shows a ready-to-paste example"
     prompt = "def add(a, b):"
     offline = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )[0]
 
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    req = urllib.request.Request(f"{tiny_up.http}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{tiny_up.http}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
         reply = json.loads(r.read())
@@ -94,8 +104,9 @@ def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(tiny_u
 
     with grpc.insecure_channel(tiny_up.grpc) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        req = gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(
-            max_tokens=12, temperature=0.0, ignore_eos=True))
+        req = gateway_pb2.GenerateRequest(
+            prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )
         ids: list[int] = []
         completion = None
         for msg in stub.Generate(req, timeout=60):
@@ -120,16 +131,22 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
         # The ready-to-paste example in the banner works as printed.
         example = re.search(r"curl -s (\S+) -H 'Content-Type: application/json' \\\n\s+-d '(.+)'", up.banner)
         assert example, up.banner
-        req = urllib.request.Request(example.group(1), data=example.group(2).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            example.group(1), data=example.group(2).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())["choices"][0]["message"]["content"]
         assert "Paris" in answer, answer
         client = OpenAI(base_url=f"{up.http}/v1", api_key="unused", timeout=120)
         model = client.models.list().data[0].id
         chunks = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
-            max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
+            model=model,
+            messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert "Paris" in text
         stop_up(up)

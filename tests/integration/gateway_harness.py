@@ -53,8 +53,12 @@ class ServiceProcess:
         self.address = ""
 
     def _launch(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "services.cli", *self._args], cwd=ROOT, stdout=self._log,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *self._args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def restart(self, deadline: float) -> None:
         """Starts the same command again (after `kill`); it must bind the same address (a fixed port)."""
@@ -99,9 +103,26 @@ class WorkerProcess(ServiceProcess):
     """`baton worker` on the tiny model (16 MiB of KV cache, one thread)."""
 
     def __init__(self, role: str, model: Path, log_dir: Path, *flags: str) -> None:
-        super().__init__(f"worker-{role}", log_dir, "worker", "--role", role, "--model", str(model),
-                         "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", "16MiB", "--threads", "1",
-                         "--dtype", "float32", *flags)
+        super().__init__(
+            f"worker-{role}",
+            log_dir,
+            "worker",
+            "--role",
+            role,
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "16MiB",
+            "--threads",
+            "1",
+            "--dtype",
+            "float32",
+            *flags,
+        )
         self.role = role
         self.stub: worker_pb2_grpc.WorkerStub | None = None
 
@@ -121,8 +142,13 @@ class WorkerProcess(ServiceProcess):
         start = time.perf_counter()
         while True:
             info = self.info()
-            if (info.num_free_blocks == info.num_blocks and info.num_leases == 0 and info.num_running == 0
-                    and info.num_waiting == 0 and info.num_transfers == 0):
+            if (
+                info.num_free_blocks == info.num_blocks
+                and info.num_leases == 0
+                and info.num_running == 0
+                and info.num_waiting == 0
+                and info.num_transfers == 0
+            ):
                 return time.perf_counter() - start
             if time.perf_counter() - start > timeout_s:
                 raise AssertionError(f"{self.role} worker still holds blocks after {timeout_s} s: {info}")
@@ -186,21 +212,30 @@ def grpc_generate(gw: GatewayThread, request: gateway_pb2.GenerateRequest) -> tu
 
 def grpc_raw_generate(gw: GatewayThread, data: bytes) -> list[gateway_pb2.GenerateResponse]:
     """Generate with ``data`` sent as the request message's bytes, as they are (e.g. not valid UTF-8)."""
-    call = gw.channel.unary_stream("/baton.v1.Gateway/Generate", request_serializer=lambda b: b,
-                                   response_deserializer=gateway_pb2.GenerateResponse.FromString)
+    call = gw.channel.unary_stream(
+        "/baton.v1.Gateway/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=gateway_pb2.GenerateResponse.FromString,
+    )
     return list(call(data, timeout=60))
 
 
 def grpc_raw_session(gw: GatewayThread, messages: list[bytes]) -> list[gateway_pb2.SessionResponse]:
     """A Session whose request messages are sent as the given bytes; every response until it ends."""
-    call = gw.channel.stream_stream("/baton.v1.Gateway/Session", request_serializer=lambda b: b,
-                                    response_deserializer=gateway_pb2.SessionResponse.FromString)
+    call = gw.channel.stream_stream(
+        "/baton.v1.Gateway/Session",
+        request_serializer=lambda b: b,
+        response_deserializer=gateway_pb2.SessionResponse.FromString,
+    )
     return list(call(iter(messages), timeout=60))
 
 
 def grpc_raw_cancel(gw: GatewayThread, data: bytes) -> gateway_pb2.CancelResponse:
-    call = gw.channel.unary_unary("/baton.v1.Gateway/Cancel", request_serializer=lambda b: b,
-                                  response_deserializer=gateway_pb2.CancelResponse.FromString)
+    call = gw.channel.unary_unary(
+        "/baton.v1.Gateway/Cancel",
+        request_serializer=lambda b: b,
+        response_deserializer=gateway_pb2.CancelResponse.FromString,
+    )
     return call(data, timeout=30)
 
 
@@ -212,8 +247,11 @@ class SessionClient:
         self._responses = gw.stub.Session(iter(self._outbox.get, None), timeout=60)
 
     def generate(self, rid: str, prompt: str, sampling: common_pb2.SamplingParams) -> None:
-        self._outbox.put(gateway_pb2.SessionRequest(
-            generate=gateway_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling)))
+        self._outbox.put(
+            gateway_pb2.SessionRequest(
+                generate=gateway_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling)
+            )
+        )
 
     def cancel(self, rid: str) -> None:
         self._outbox.put(gateway_pb2.SessionRequest(cancel=gateway_pb2.CancelRequest(request_id=rid)))
@@ -226,11 +264,21 @@ class SessionClient:
         return list(self._responses)
 
 
-def http_json(gw: GatewayThread, path: str, body: Any = None, raw: bytes | None = None,
-              method: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+def http_json(
+    gw: GatewayThread,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    method: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(gw.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        gw.url + path,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, dict(r.headers), json.loads(r.read())

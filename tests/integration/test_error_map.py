@@ -79,16 +79,19 @@ async def _serve(service: ServiceDescriptor) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def _call(channel: grpc.aio.Channel, service: ServiceDescriptor, method: MethodDescriptor,
-                name: str) -> grpc.aio.AioRpcError:
+async def _call(
+    channel: grpc.aio.Channel, service: ServiceDescriptor, method: MethodDescriptor, name: str
+) -> grpc.aio.AioRpcError:
     request_cls = message_factory.GetMessageClass(method.input_type)
     reply_cls = message_factory.GetMessageClass(method.output_type)
     path = f"/{service.full_name}/{method.name}"
-    kwargs: dict[str, Any] = dict(request_serializer=request_cls.SerializeToString,
-                                  response_deserializer=reply_cls.FromString)
+    kwargs: dict[str, Any] = dict(
+        request_serializer=request_cls.SerializeToString, response_deserializer=reply_cls.FromString
+    )
     metadata = ((RAISE_KEY, name),)
     try:
         if method.client_streaming:
+
             async def requests() -> AsyncIterator[Any]:
                 yield request_cls()
 
@@ -158,8 +161,9 @@ def test_a_request_error_inside_a_multiplexed_stream_keeps_its_class() -> None:
         got = error_from_pb(type(error_to_pb(sent)).FromString(error_to_pb(sent).SerializeToString()))
         _same(got, sent)
         seen = as_seen(got, "s:1")  # as the gateway's Calls stream reads a scheduler's reply
-        assert type(seen) is (Unavailable if isinstance(sent, Unavailable) or type(sent) is ServingError
-                              else type(sent))
+        assert type(seen) is (
+            Unavailable if isinstance(sent, Unavailable) or type(sent) is ServingError else type(sent)
+        )
 
 
 def test_a_status_without_a_type_maps_by_its_code_alone() -> None:
@@ -167,8 +171,9 @@ def test_a_status_without_a_type_maps_by_its_code_alone() -> None:
 
     async def main() -> None:
         async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:  # nothing listens on port 1
-            stub = channel.unary_unary("/baton.v1.Worker/Info", request_serializer=lambda m: b"",
-                                       response_deserializer=lambda b: b)
+            stub = channel.unary_unary(
+                "/baton.v1.Worker/Info", request_serializer=lambda m: b"", response_deserializer=lambda b: b
+            )
             try:
                 await stub(b"", timeout=5)
             except grpc.aio.AioRpcError as e:

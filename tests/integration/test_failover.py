@@ -92,9 +92,18 @@ def scheduler(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> I
         port = s.getsockname()[1]
     # A burst is dispatched to the workers at once (no prefill admission limit), so that a worker dies
     # with work queued on it; the admission limits are unit-tested and measured by the Tenancy benchmark.
-    proc = SchedulerProcess(redis.url, tmp_path_factory.mktemp("scheduler"), "--port", str(port),
-                            "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S), "--local-prefill-threshold", "8",
-                            "--max-prefill-queue", "64")
+    proc = SchedulerProcess(
+        redis.url,
+        tmp_path_factory.mktemp("scheduler"),
+        "--port",
+        str(port),
+        "--heartbeat-timeout-s",
+        str(HEARTBEAT_TIMEOUT_S),
+        "--local-prefill-threshold",
+        "8",
+        "--max-prefill-queue",
+        "64",
+    )
     try:
         proc.wait_ready(time.monotonic() + 60)
         yield proc
@@ -112,18 +121,35 @@ class Cluster:
 
     def start(self, *roles: str, flags: tuple[str, ...] = ()) -> GatewayThread:
         self.workers = [
-            WorkerProcess(role, self.model, self.log_dir, "--kv-transport", "tcp", "--scheduler",
-                          self.scheduler.address, "--redis-url", self.redis.url, *flags)
+            WorkerProcess(
+                role,
+                self.model,
+                self.log_dir,
+                "--kv-transport",
+                "tcp",
+                "--scheduler",
+                self.scheduler.address,
+                "--redis-url",
+                self.redis.url,
+                *flags,
+            )
             for role in roles
         ]
         deadline = time.monotonic() + 120
         for worker in self.workers:
             worker.wait_ready(deadline)
         eventually(lambda: self.scheduler.num_workers() == len(roles), 30, "workers registered")
-        self.gateway = GatewayThread(GatewayConfig(
-            scheduler=self.scheduler.address, model=str(self.model), grpc_port=0, http_port=0,
-            max_output_tokens=MIGRATE_TOKENS + 50, startup_timeout=60, max_session_requests=32,
-        ))
+        self.gateway = GatewayThread(
+            GatewayConfig(
+                scheduler=self.scheduler.address,
+                model=str(self.model),
+                grpc_port=0,
+                http_port=0,
+                max_output_tokens=MIGRATE_TOKENS + 50,
+                startup_timeout=60,
+                max_session_requests=32,
+            )
+        )
         return self.gateway
 
     def stop(self) -> None:
@@ -136,7 +162,9 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(scheduler: SchedulerProcess, redis: RedisServer, tiny_llama: Path, tmp_path: Path) -> Iterator[Cluster]:
+def cluster(
+    scheduler: SchedulerProcess, redis: RedisServer, tiny_llama: Path, tmp_path: Path
+) -> Iterator[Cluster]:
     c = Cluster(scheduler, redis, tiny_llama, tmp_path)
     try:
         yield c
@@ -150,17 +178,24 @@ def offline(tiny_llama: Path) -> dict[str, Any]:
     from engine import LLM
 
     llm = LLM(str(tiny_llama), kv_cache_memory=32 << 20, dtype="float32", num_threads=1)
-    streams = llm.generate([_prompt(i) for i in range(NUM_STREAMS)],
-                           SamplingParams(max_tokens=MIGRATE_TOKENS, temperature=0, ignore_eos=True))
+    streams = llm.generate(
+        [_prompt(i) for i in range(NUM_STREAMS)],
+        SamplingParams(max_tokens=MIGRATE_TOKENS, temperature=0, ignore_eos=True),
+    )
     # Long prompts whose first output token is a whole character: a P → D handoff whose first token is
     # part of one shows that token's text twice, failover or not (test_gateway's xfail).
     firsts = llm.generate([_long_prompt(i) for i in range(64)], SamplingParams(max_tokens=1, temperature=0))
     whole = [i for i, o in enumerate(firsts) if "\ufffd" not in o.text][:NUM_STREAMS]
-    long = llm.generate([_long_prompt(i) for i in whole],
-                        SamplingParams(max_tokens=PREFILL_TOKENS, temperature=0, ignore_eos=True))
-    return {"streams": [(o.token_ids, o.text) for o in streams], "long_prompts": [_long_prompt(i) for i in whole],
-            "long": [(o.token_ids, o.text) for o in long],
-            "long_prompt_tokens": [len(llm.tokenizer.encode(_long_prompt(i))) for i in whole]}
+    long = llm.generate(
+        [_long_prompt(i) for i in whole],
+        SamplingParams(max_tokens=PREFILL_TOKENS, temperature=0, ignore_eos=True),
+    )
+    return {
+        "streams": [(o.token_ids, o.text) for o in streams],
+        "long_prompts": [_long_prompt(i) for i in whole],
+        "long": [(o.token_ids, o.text) for o in long],
+        "long_prompt_tokens": [len(llm.tokenizer.encode(_long_prompt(i))) for i in whole],
+    }
 
 
 class Streams:
@@ -218,13 +253,20 @@ def probe_place(scheduler: SchedulerProcess, exclude: str = "") -> str:
     rid = f"probe-{time.monotonic_ns()}"
     time.sleep(0.05)  # past the scheduler's freshness window, so that probing refreshes its view
     try:  # a Place that finds no worker waits in the scheduler's queue: give up at once
-        placed = scheduler.stub.Place(scheduler_pb2.PlaceRequest(
-            request_id=rid, prompt_token_ids=[1] * 20, max_tokens=1, exclude_workers=[exclude] if exclude else []),
-            timeout=0.5)
+        placed = scheduler.stub.Place(
+            scheduler_pb2.PlaceRequest(
+                request_id=rid,
+                prompt_token_ids=[1] * 20,
+                max_tokens=1,
+                exclude_workers=[exclude] if exclude else [],
+            ),
+            timeout=0.5,
+        )
     except grpc.RpcError:
         return ""
-    scheduler.stub.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant=placed.tenant, prompt_tokens=20),
-                          timeout=5)
+    scheduler.stub.Finish(
+        scheduler_pb2.FinishRequest(request_id=rid, tenant=placed.tenant, prompt_tokens=20), timeout=5
+    )
     return str(placed.decode_worker)
 
 
@@ -295,6 +337,7 @@ def settled(redis_url: str) -> dict[str, Any]:
 
 def routes(gw: GatewayThread, rids: list[str]) -> dict[str, str]:
     """The decode worker each request in flight runs on (read on the gateway's loop)."""
+
     async def read() -> dict[str, str]:
         out = {}
         for rid in rids:
@@ -339,7 +382,9 @@ def test_streams_of_a_killed_decode_worker_migrate(
         streams.read_until(lambda: all(len(streams.ids[r]) >= 1 for r in streams.ids))
     streams.read_until(lambda: all(len(streams.ids[r]) >= 3 for r in rids))
     placed = routes(gw, rids)
-    assert set(placed.values()) == {d.address for d in decoders}, f"both decode workers must hold streams: {placed}"
+    assert set(placed.values()) == {d.address for d in decoders}, (
+        f"both decode workers must hold streams: {placed}"
+    )
     victim = decoders[0]  # the first wave's (the second wave's worker takes new work)
     on_victim = sorted(r for r, a in placed.items() if a == victim.address)
     tokens_at_kill = {r: len(streams.ids[r]) for r in rids}
@@ -359,16 +404,20 @@ def test_streams_of_a_killed_decode_worker_migrate(
     # The dead worker leaves placement by itself; requests then never go there.
     left_s = eventually(lambda: cluster.scheduler.num_workers() == 2, HEARTBEAT_TIMEOUT_S + 2, "eviction")
     left_s = time.monotonic() - killed_at
-    ids, text, _ = grpc_generate(gw, gateway_pb2.GenerateRequest(prompt=_prompt(0), sampling=greedy(MIGRATE_TOKENS)))
+    ids, text, _ = grpc_generate(
+        gw, gateway_pb2.GenerateRequest(prompt=_prompt(0), sampling=greedy(MIGRATE_TOKENS))
+    )
     assert (ids, text) == offline["streams"][0]
     for worker in (prefill, *(d for d in decoders if d is not victim)):
         worker.wait_all_free()
     ledger = settled(cluster.redis.url)
     assert ledger["pinned_ever"] >= NUM_STREAMS and ledger["ended"]["released"] >= NUM_STREAMS, ledger
     assert not [r for r in caplog.records if "scheduler" in r.getMessage() and "failed" in r.getMessage()]
-    print(f"\n{len(on_victim)} of {NUM_STREAMS} streams migrated (killed after "
-          f"{min(tokens_at_kill[r] for r in on_victim)}–{max(tokens_at_kill[r] for r in on_victim)} tokens); "
-          f"the dead worker left placement {left_s:.2f} s after the kill (heartbeat timeout {HEARTBEAT_TIMEOUT_S} s)")
+    print(
+        f"\n{len(on_victim)} of {NUM_STREAMS} streams migrated (killed after "
+        f"{min(tokens_at_kill[r] for r in on_victim)}–{max(tokens_at_kill[r] for r in on_victim)} tokens); "
+        f"the dead worker left placement {left_s:.2f} s after the kill (heartbeat timeout {HEARTBEAT_TIMEOUT_S} s)"
+    )
 
 
 # --- a prefill worker dies with prefills queued ----------------------------------------------------
@@ -379,10 +428,13 @@ def test_prefills_of_a_killed_prefill_worker_run_on_the_other(
 ) -> None:
     caplog.set_level(logging.INFO, logger="services.gateway.dispatch")
     # A small step budget queues the long prompts on the prefill worker, so it dies with work waiting.
-    gw = cluster.start("prefill", "prefill", "decode", flags=("--max-num-batched-tokens", "32", "--max-num-seqs", "8"))
+    gw = cluster.start(
+        "prefill", "prefill", "decode", flags=("--max-num-batched-tokens", "32", "--max-num-seqs", "8")
+    )
     *prefills, decode = cluster.workers
-    retries_before = (metric("baton_gateway_worker_retries_total", {"stage": "prefill"})
-                      + metric("baton_gateway_kv_transfer_retries_total"))
+    retries_before = metric("baton_gateway_worker_retries_total", {"stage": "prefill"}) + metric(
+        "baton_gateway_kv_transfer_retries_total"
+    )
     streams = Streams(gw)
     rids = [f"p{i}" for i in range(NUM_STREAMS)]
     for rid, prompt in zip(rids, offline["long_prompts"], strict=True):
@@ -410,14 +462,19 @@ def test_prefills_of_a_killed_prefill_worker_run_on_the_other(
         if match:
             last_prefill[match.group(1)] = match.group(2)
     assert {last_prefill[r] for r in rids} == {survivor.address}  # every request ended up prefilled there
-    retried = (metric("baton_gateway_worker_retries_total", {"stage": "prefill"})
-               + metric("baton_gateway_kv_transfer_retries_total") - retries_before)
+    retried = (
+        metric("baton_gateway_worker_retries_total", {"stage": "prefill"})
+        + metric("baton_gateway_kv_transfer_retries_total")
+        - retries_before
+    )
     assert retried >= 1
     for worker in (*(p for p in prefills if p is not victim), decode):
         worker.wait_all_free()
     settled(cluster.redis.url)
-    print(f"\nprefill worker killed with {queued} prefills queued ({min(offline['long_prompt_tokens'])}+ "
-          f"token prompts); {retried:.0f} requests re-placed, all {NUM_STREAMS} equal offline")
+    print(
+        f"\nprefill worker killed with {queued} prefills queued ({min(offline['long_prompt_tokens'])}+ "
+        f"token prompts); {retried:.0f} requests re-placed, all {NUM_STREAMS} equal offline"
+    )
 
 
 # --- cancels go through the bus -------------------------------------------------------------------
@@ -432,8 +489,10 @@ def test_cancels_are_published_on_the_bus(cluster: Cluster, offline: dict[str, A
 
     def long_stream(rid: str) -> Any:
         """A stream that the decode worker is running (it streamed tokens after the first)."""
-        responses = gw.stub.Generate(gateway_pb2.GenerateRequest(
-            request_id=rid, prompt=_prompt(3), sampling=greedy(MIGRATE_TOKENS)), timeout=60)
+        responses = gw.stub.Generate(
+            gateway_pb2.GenerateRequest(request_id=rid, prompt=_prompt(3), sampling=greedy(MIGRATE_TOKENS)),
+            timeout=60,
+        )
         num_tokens = 0
         while num_tokens < 3:
             num_tokens += len(next(responses).delta.token_ids)
@@ -441,8 +500,9 @@ def test_cancels_are_published_on_the_bus(cluster: Cluster, offline: dict[str, A
 
     responses = long_stream("via-bus")
     t0 = time.perf_counter()
-    assert cluster.scheduler.stub.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="via-bus", reason="test"),
-                                         timeout=5).first
+    assert cluster.scheduler.stub.Cancel(
+        scheduler_pb2.SchedulerCancelRequest(request_id="via-bus", reason="test"), timeout=5
+    ).first
     last = list(responses)[-1]
     dropped_ms = (time.perf_counter() - t0) * 1e3
     assert last.completion.finish_reason == common_pb2.FINISH_REASON_CANCELLED
@@ -461,12 +521,14 @@ def test_cancels_are_published_on_the_bus(cluster: Cluster, offline: dict[str, A
 # --- Redis goes down and comes back ----------------------------------------------------------------
 
 
-def test_a_redis_outage_stops_admission_and_heals(cluster: Cluster, redis: RedisServer,
-                                                  offline: dict[str, Any]) -> None:
+def test_a_redis_outage_stops_admission_and_heals(
+    cluster: Cluster, redis: RedisServer, offline: dict[str, Any]
+) -> None:
     gw = cluster.start("decode")
     (worker,) = cluster.workers
-    in_flight = gw.stub.Generate(gateway_pb2.GenerateRequest(prompt=_prompt(1), sampling=greedy(MIGRATE_TOKENS)),
-                                 timeout=60)
+    in_flight = gw.stub.Generate(
+        gateway_pb2.GenerateRequest(prompt=_prompt(1), sampling=greedy(MIGRATE_TOKENS)), timeout=60
+    )
     first = next(in_flight)
     assert first.HasField("delta")
     redis.kill()
@@ -497,13 +559,17 @@ def test_a_redis_outage_stops_admission_and_heals(cluster: Cluster, redis: Redis
         return seen[-1] == 200 and cluster.scheduler.num_workers() == 1  # re-registered, not a stale view
 
     resumed_s = eventually(served, 30, "service after Redis came back")
-    ids, text, _ = grpc_generate(gw, gateway_pb2.GenerateRequest(prompt=_prompt(1), sampling=greedy(MIGRATE_TOKENS)))
+    ids, text, _ = grpc_generate(
+        gw, gateway_pb2.GenerateRequest(prompt=_prompt(1), sampling=greedy(MIGRATE_TOKENS))
+    )
     assert (ids, text) == offline["streams"][1]
     assert time.monotonic() - back_at < 30
     worker.wait_all_free()
-    print(f"\nRedis down: a new request was refused (503: {out['error']['message']!r}) in "
-          f"{refused_s * 1e3:.0f} ms; the stream in flight finished ({len(ids)} tokens); service resumed "
-          f"{resumed_s:.2f} s after Redis came back (statuses meanwhile: {sorted(set(seen))})")
+    print(
+        f"\nRedis down: a new request was refused (503: {out['error']['message']!r}) in "
+        f"{refused_s * 1e3:.0f} ms; the stream in flight finished ({len(ids)} tokens); service resumed "
+        f"{resumed_s:.2f} s after Redis came back (statuses meanwhile: {sorted(set(seen))})"
+    )
 
 
 # --- the scheduler goes down and comes back --------------------------------------------------------
@@ -511,8 +577,9 @@ def test_a_redis_outage_stops_admission_and_heals(cluster: Cluster, redis: Redis
 
 def test_a_scheduler_outage_stops_admission_and_heals(cluster: Cluster, offline: dict[str, Any]) -> None:
     gw = cluster.start("prefill", "decode")
-    in_flight = gw.stub.Generate(gateway_pb2.GenerateRequest(prompt=_prompt(1), sampling=greedy(MIGRATE_TOKENS)),
-                                 timeout=60)
+    in_flight = gw.stub.Generate(
+        gateway_pb2.GenerateRequest(prompt=_prompt(1), sampling=greedy(MIGRATE_TOKENS)), timeout=60
+    )
     first = next(in_flight)
     cluster.scheduler.kill()
 
@@ -526,8 +593,12 @@ def test_a_scheduler_outage_stops_admission_and_heals(cluster: Cluster, offline:
 
     cluster.scheduler.restart(time.monotonic() + 60)
     back_at = time.monotonic()
-    resumed_s = eventually(lambda: http_json(gw, "/v1/completions", body)[0] == 200, 30, "service after restart")
+    resumed_s = eventually(
+        lambda: http_json(gw, "/v1/completions", body)[0] == 200, 30, "service after restart"
+    )
     for worker in cluster.workers:
         worker.wait_all_free()
-    print(f"\nscheduler down: 503 ({out['error']['message']!r}); the stream in flight finished; service "
-          f"resumed {resumed_s:.2f} s after the scheduler came back ({time.monotonic() - back_at:.2f} s)")
+    print(
+        f"\nscheduler down: 503 ({out['error']['message']!r}); the stream in flight finished; service "
+        f"resumed {resumed_s:.2f} s after the scheduler came back ({time.monotonic() - back_at:.2f} s)"
+    )

@@ -68,18 +68,27 @@ def workers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def _config(tiny_llama: Path, **kw: Any) -> GatewayConfig:
     defaults: dict[str, Any] = dict(
-        model=str(tiny_llama), grpc_port=0, http_port=0, max_output_tokens=LONG + 50,
-        max_request_bytes=MAX_REQUEST_BYTES, max_session_requests=3, startup_timeout=60,
+        model=str(tiny_llama),
+        grpc_port=0,
+        http_port=0,
+        max_output_tokens=LONG + 50,
+        max_request_bytes=MAX_REQUEST_BYTES,
+        max_session_requests=3,
+        startup_timeout=60,
     )
     return GatewayConfig(**{**defaults, **kw})
 
 
 @pytest.fixture(scope="module")
 def disaggregated(workers: dict[str, WorkerProcess], tiny_llama: Path) -> Iterator[GatewayThread]:
-    gw = GatewayThread(_config(
-        tiny_llama, prefill_workers=(workers["prefill"].address,), decode_workers=(workers["decode"].address,),
-        local_prefill_threshold=0,
-    ))
+    gw = GatewayThread(
+        _config(
+            tiny_llama,
+            prefill_workers=(workers["prefill"].address,),
+            decode_workers=(workers["decode"].address,),
+            local_prefill_threshold=0,
+        )
+    )
     yield gw
     gw.stop()
 
@@ -115,10 +124,14 @@ def offline(tiny_llama: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def short_prompts_local(workers: dict[str, WorkerProcess], tiny_llama: Path) -> Iterator[GatewayThread]:
     """P and D configured, but every prompt is under the threshold: D prefills it itself."""
-    gw = GatewayThread(_config(
-        tiny_llama, prefill_workers=(workers["prefill"].address,), decode_workers=(workers["decode"].address,),
-        local_prefill_threshold=10_000,
-    ))
+    gw = GatewayThread(
+        _config(
+            tiny_llama,
+            prefill_workers=(workers["prefill"].address,),
+            decode_workers=(workers["decode"].address,),
+            local_prefill_threshold=10_000,
+        )
+    )
     yield gw
     gw.stop()
 
@@ -138,8 +151,12 @@ def scheduler(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         workers: list[WorkerProcess] = []
         try:
             proc.wait_ready(time.monotonic() + 60)
-            workers = [WorkerProcess(role, tiny_llama, log_dir, "--scheduler", proc.address, "--redis-url", redis.url)
-                       for role in ("prefill", "decode")]
+            workers = [
+                WorkerProcess(
+                    role, tiny_llama, log_dir, "--scheduler", proc.address, "--redis-url", redis.url
+                )
+                for role in ("prefill", "decode")
+            ]
             for worker in workers:
                 worker.wait_ready(time.monotonic() + 120)
 
@@ -182,14 +199,14 @@ def greedy(max_tokens: int = MAX_TOKENS, **kw: Any) -> common_pb2.SamplingParams
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
 
 
-
 # --- greedy parity ---------------------------------------------------------------------------------
 
 
 def test_generate_equals_offline(gateway: GatewayThread, offline: dict[str, Any]) -> None:
     for prompt, (ids, text) in zip(PROMPTS, offline["prompts"], strict=True):
         got_ids, got_text, completion = grpc_generate(
-            gateway, gateway_pb2.GenerateRequest(prompt=prompt, sampling=greedy()))
+            gateway, gateway_pb2.GenerateRequest(prompt=prompt, sampling=greedy())
+        )
         assert (got_ids, got_text) == (ids, text), prompt
         assert completion.usage.completion_tokens == len(ids)
         assert completion.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
@@ -242,7 +259,11 @@ def test_openai_client_streams_a_chat(gateway: GatewayThread, offline: dict[str,
 
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0)
     stream = client.chat.completions.create(
-        model=gateway.model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=gateway.model,
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
     )
     text, usage, finish = "", None, None
@@ -266,7 +287,11 @@ def test_reflection_health_models_metrics(disaggregated: GatewayThread) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     services = set(ProtoReflectionDescriptorDatabase(disaggregated.channel).get_services())
-    assert {"baton.v1.Gateway", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert {
+        "baton.v1.Gateway",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= services
     health = health_pb2_grpc.HealthStub(disaggregated.channel)
     assert health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Gateway")).status == 1  # SERVING
     models = disaggregated.stub.ListModels(gateway_pb2.ListModelsRequest()).models
@@ -295,7 +320,9 @@ def test_a_dead_worker_makes_health_503_and_requests_unavailable(tiny_llama: Pat
             assert http_json(gw, "/health")[0] == 200
             worker.stop()
             status, _, body = http_json(gw, "/health")
-            assert status == 503 and body["status"] == "unavailable" and body["workers"][worker.address] != "ok"
+            assert (
+                status == 503 and body["status"] == "unavailable" and body["workers"][worker.address] != "ok"
+            )
             status, _, out = http_json(gw, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
             assert status == 503 and out["error"]["type"] == "unavailable", out
             with pytest.raises(grpc.RpcError) as info:
@@ -318,13 +345,19 @@ def test_a_failed_kv_transfer_is_retried_with_a_fresh_prefill(
     expiring = WorkerProcess("prefill", tiny_llama, tmp_path, "--lease-ttl-s", "0.001")
     try:
         expiring.wait_ready(time.monotonic() + 120)
-        gw = GatewayThread(_config(
-            tiny_llama, prefill_workers=(expiring.address, workers["prefill"].address),
-            decode_workers=(workers["decode"].address,), local_prefill_threshold=0,
-        ))
+        gw = GatewayThread(
+            _config(
+                tiny_llama,
+                prefill_workers=(expiring.address, workers["prefill"].address),
+                decode_workers=(workers["decode"].address,),
+                local_prefill_threshold=0,
+            )
+        )
         try:
             before = REGISTRY.get_sample_value("baton_gateway_kv_transfer_retries_total") or 0.0
-            ids, text, completion = grpc_generate(gw, gateway_pb2.GenerateRequest(prompt=PROMPTS[2], sampling=greedy()))
+            ids, text, completion = grpc_generate(
+                gw, gateway_pb2.GenerateRequest(prompt=PROMPTS[2], sampling=greedy())
+            )
             assert (ids, text) == offline["prompts"][2]
             assert completion.usage.completion_tokens == len(ids)
             assert REGISTRY.get_sample_value("baton_gateway_kv_transfer_retries_total") == before + 1
@@ -341,22 +374,36 @@ def test_scheduler_verdicts_reach_the_client(scheduled: GatewayThread, scheduler
     UNAUTHENTICATED; a tenant over its concurrency quota gets 429 with Retry-After / RESOURCE_EXHAUSTED;
     /health reports the scheduler."""
     body = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
-    assert http_json(scheduled, "/v1/completions", body, headers={"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    assert (
+        http_json(scheduled, "/v1/completions", body, headers={"Authorization": f"Bearer {API_KEY}"})[0]
+        == 200
+    )
     assert http_json(scheduled, "/v1/completions", body, headers={"x-api-key": API_KEY})[0] == 200
-    status, _, out = http_json(scheduled, "/v1/completions", body, headers={"Authorization": "Bearer sk-nobody"})
+    status, _, out = http_json(
+        scheduled, "/v1/completions", body, headers={"Authorization": "Bearer sk-nobody"}
+    )
     assert status == 401 and out["error"] == {
-        "message": "invalid API key", "type": "authentication_error", "param": None, "code": None}
+        "message": "invalid API key",
+        "type": "authentication_error",
+        "param": None,
+        "code": None,
+    }
     request = gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(2))
     assert grpc_generate(scheduled, request)[2].usage.completion_tokens == 2  # no key: the default tenant
     with pytest.raises(grpc.RpcError) as info:
         list(scheduled.stub.Generate(request, timeout=30, metadata=(("x-api-key", "sk-nobody"),)))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    held = scheduled.stub.Generate(gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)),
-                                   timeout=60, metadata=(("authorization", f"Bearer {TINY_KEY}"),))
+    held = scheduled.stub.Generate(
+        gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)),
+        timeout=60,
+        metadata=(("authorization", f"Bearer {TINY_KEY}"),),
+    )
     assert next(held).HasField("delta")
     status, headers, out = http_json(scheduled, "/v1/completions", body, headers={"x-api-key": TINY_KEY})
-    assert status == 429 and int(headers["Retry-After"]) >= 1 and out["error"]["type"] == "rate_limit_error", out
+    assert (
+        status == 429 and int(headers["Retry-After"]) >= 1 and out["error"]["type"] == "rate_limit_error"
+    ), out
     with pytest.raises(grpc.RpcError) as info:
         list(scheduled.stub.Generate(request, timeout=30, metadata=(("x-api-key", TINY_KEY),)))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -373,7 +420,9 @@ def test_a_first_token_that_is_part_of_a_character_is_sent_once(
     disaggregated: GatewayThread, offline: dict[str, Any]
 ) -> None:
     prompt, ids, text = offline["partial_first_char"]
-    got_ids, got_text, _ = grpc_generate(disaggregated, gateway_pb2.GenerateRequest(prompt=prompt, sampling=greedy()))
+    got_ids, got_text, _ = grpc_generate(
+        disaggregated, gateway_pb2.GenerateRequest(prompt=prompt, sampling=greedy())
+    )
     assert got_ids == ids
     assert got_text == text  # P holds the partial character back at the handoff; D emits it once
 
@@ -381,8 +430,9 @@ def test_a_first_token_that_is_part_of_a_character_is_sent_once(
 # --- cancellation ----------------------------------------------------------------------------------
 
 
-def test_session_cancel_frees_blocks(disaggregated: GatewayThread, workers: dict[str, WorkerProcess],
-                                     offline: dict[str, Any]) -> None:
+def test_session_cancel_frees_blocks(
+    disaggregated: GatewayThread, workers: dict[str, WorkerProcess], offline: dict[str, Any]
+) -> None:
     """Two requests on one Session; the long one is cancelled midway, the other completes."""
     session = SessionClient(disaggregated)
     session.generate("victim", PROMPTS[0], greedy(LONG, ignore_eos=True))
@@ -409,13 +459,19 @@ def test_session_cancel_frees_blocks(disaggregated: GatewayThread, workers: dict
     assert cancelled_at is not None
     for role in ("decode", "prefill"):
         workers[role].wait_all_free()
-    print(f"\nSession cancel -> blocks free on P and D in {(time.perf_counter() - cancelled_at) * 1e3:.1f} ms")
+    print(
+        f"\nSession cancel -> blocks free on P and D in {(time.perf_counter() - cancelled_at) * 1e3:.1f} ms"
+    )
 
 
 def test_cancel_rpc_and_deadline(disaggregated: GatewayThread, workers: dict[str, WorkerProcess]) -> None:
     assert not disaggregated.stub.Cancel(gateway_pb2.CancelRequest(request_id="nobody")).found
-    responses = disaggregated.stub.Generate(gateway_pb2.GenerateRequest(
-        request_id="to-cancel", prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)), timeout=60)
+    responses = disaggregated.stub.Generate(
+        gateway_pb2.GenerateRequest(
+            request_id="to-cancel", prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)
+        ),
+        timeout=60,
+    )
     first = next(responses)
     assert first.request_id == "to-cancel" and first.HasField("delta")
     assert disaggregated.stub.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel")).found
@@ -426,8 +482,10 @@ def test_cancel_rpc_and_deadline(disaggregated: GatewayThread, workers: dict[str
     # A passed deadline cancels the request: the client sees DEADLINE_EXCEEDED from its own timer, or
     # (when the gateway's timer wins the race) a last Completion with FINISH_REASON_CANCELLED.
     try:
-        *_, last = disaggregated.stub.Generate(gateway_pb2.GenerateRequest(
-            prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)), timeout=0.05)
+        *_, last = disaggregated.stub.Generate(
+            gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)),
+            timeout=0.05,
+        )
         assert last.completion.finish_reason == common_pb2.FINISH_REASON_CANCELLED
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -435,12 +493,15 @@ def test_cancel_rpc_and_deadline(disaggregated: GatewayThread, workers: dict[str
     workers["prefill"].wait_all_free()
 
 
-def test_a_cancelled_grpc_call_frees_blocks(disaggregated: GatewayThread, workers: dict[str, WorkerProcess]) -> None:
+def test_a_cancelled_grpc_call_frees_blocks(
+    disaggregated: GatewayThread, workers: dict[str, WorkerProcess]
+) -> None:
     from services.gateway.metrics import REGISTRY
 
     before = REGISTRY.get_sample_value("baton_gateway_cancellations_total", {"reason": "client"}) or 0.0
-    responses = disaggregated.stub.Generate(gateway_pb2.GenerateRequest(
-        prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)), timeout=60)
+    responses = disaggregated.stub.Generate(
+        gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)), timeout=60
+    )
     assert next(responses).HasField("delta")
     responses.cancel()
     workers["decode"].wait_all_free()
@@ -477,7 +538,10 @@ def test_session_limits(disaggregated: GatewayThread) -> None:
         msg = session.next()
         if msg.HasField("error"):
             errors[msg.request_id] = msg.error
-    assert errors["a"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already in flight" in errors["a"].message
+    assert (
+        errors["a"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        and "already in flight" in errors["a"].message
+    )
     assert errors["d"].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and errors["d"].retry_after_s > 0
     for rid in ("a", "b", "c"):
         session.cancel(rid)
@@ -492,10 +556,15 @@ def test_a_client_that_does_not_read_fails_alone(
     its blocks are freed and another request on the same gateway and worker is not held up."""
     gw = GatewayThread(_config(tiny_llama, decode_workers=(workers["both"].address,), max_buffered_tokens=8))
     try:
+
         async def submit_unread() -> RequestStream:
-            return gw.server.dispatcher.submit(GenerationRequest(
-                params=SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True), prompt=PROMPTS[0],
-                request_id="never-read"))
+            return gw.server.dispatcher.submit(
+                GenerationRequest(
+                    params=SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True),
+                    prompt=PROMPTS[0],
+                    request_id="never-read",
+                )
+            )
 
         async def drain(stream: RequestStream) -> BaseException | None:
             try:
@@ -517,31 +586,81 @@ def test_a_client_that_does_not_read_fails_alone(
 
 # --- bad inputs ------------------------------------------------------------------------------------
 
-INVALID, NOT_FOUND, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
+INVALID, NOT_FOUND, EXHAUSTED = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 GRPC_BAD = [
     ("zero max_tokens", dict(prompt="a b", sampling=greedy(0)), INVALID, "max_tokens must be >= 1"),
-    ("huge max_tokens", dict(prompt="a b", sampling=greedy(10**6)), INVALID, "over the limit of 450 output tokens"),
-    ("prompt over the context", dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[5] * 600), sampling=greedy()),
-     INVALID, "the prompt has 600 tokens"),
-    ("prompt + max_tokens over the context", dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[5] * 300),
-                                                  sampling=greedy(300)), INVALID, "over the model's context of"),
-    ("unknown model", dict(model="gpt-17", prompt="a", sampling=greedy()), NOT_FOUND, "'gpt-17' is not served"),
+    (
+        "huge max_tokens",
+        dict(prompt="a b", sampling=greedy(10**6)),
+        INVALID,
+        "over the limit of 450 output tokens",
+    ),
+    (
+        "prompt over the context",
+        dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[5] * 600), sampling=greedy()),
+        INVALID,
+        "the prompt has 600 tokens",
+    ),
+    (
+        "prompt + max_tokens over the context",
+        dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[5] * 300), sampling=greedy(300)),
+        INVALID,
+        "over the model's context of",
+    ),
+    (
+        "unknown model",
+        dict(model="gpt-17", prompt="a", sampling=greedy()),
+        NOT_FOUND,
+        "'gpt-17' is not served",
+    ),
     ("empty prompt", dict(prompt="", sampling=greedy()), INVALID, "prompt must not be empty"),
     ("no input", dict(sampling=greedy()), INVALID, "needs one of prompt"),
-    ("temperature out of range", dict(prompt="a", sampling=common_pb2.SamplingParams(temperature=-1)),
-     INVALID, "temperature must be in"),
+    (
+        "temperature out of range",
+        dict(prompt="a", sampling=common_pb2.SamplingParams(temperature=-1)),
+        INVALID,
+        "temperature must be in",
+    ),
     ("top_p zero", dict(prompt="a", sampling=common_pb2.SamplingParams(top_p=0)), INVALID, "top_p"),
-    ("token id outside the vocabulary", dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[1, 10**6]),
-                                             sampling=greedy()), INVALID, "prompt token ids must be in"),
-    ("stop id outside the vocabulary", dict(prompt="a", sampling=greedy(stop_token_ids=[10**6])),
-     INVALID, "outside the vocabulary"),
+    (
+        "token id outside the vocabulary",
+        dict(prompt_token_ids=gateway_pb2.TokenIds(ids=[1, 10**6]), sampling=greedy()),
+        INVALID,
+        "prompt token ids must be in",
+    ),
+    (
+        "stop id outside the vocabulary",
+        dict(prompt="a", sampling=greedy(stop_token_ids=[10**6])),
+        INVALID,
+        "outside the vocabulary",
+    ),
     ("too many logprobs", dict(prompt="a", sampling=greedy(logprobs=99)), INVALID, "logprobs must be in"),
     ("bad request id", dict(request_id="has space", prompt="a", sampling=greedy()), INVALID, "request_id"),
-    ("empty messages", dict(messages=gateway_pb2.ChatMessages(), sampling=greedy()), INVALID,
-     "messages must not be empty"),
-    ("message without a role", dict(messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(
-        content="hi")]), sampling=greedy()), INVALID, "messages[0].role must be a non-empty string"),
-    ("oversized message", dict(prompt="x" * (MAX_REQUEST_BYTES + 10), sampling=greedy()), EXHAUSTED, "larger than"),
+    (
+        "empty messages",
+        dict(messages=gateway_pb2.ChatMessages(), sampling=greedy()),
+        INVALID,
+        "messages must not be empty",
+    ),
+    (
+        "message without a role",
+        dict(
+            messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(content="hi")]),
+            sampling=greedy(),
+        ),
+        INVALID,
+        "messages[0].role must be a non-empty string",
+    ),
+    (
+        "oversized message",
+        dict(prompt="x" * (MAX_REQUEST_BYTES + 10), sampling=greedy()),
+        EXHAUSTED,
+        "larger than",
+    ),
 ]
 
 
@@ -559,26 +678,39 @@ def test_grpc_messages_that_are_not_utf8(disaggregated: GatewayThread, offline: 
     """A string field with bytes that are not UTF-8 (protobuf refuses the message): INVALID_ARGUMENT naming
     the field for Generate and Cancel, an error for that request alone in a Session, which goes on."""
     good = gateway_pb2.GenerateRequest(request_id="utf8-good", prompt=PROMPTS[0], sampling=greedy())
-    bad = gateway_pb2.GenerateRequest(request_id="utf8-bad", prompt="cafe", sampling=greedy()
-                                      ).SerializeToString().replace(b"cafe", b"caf\xe9")  # Latin-1, not UTF-8
+    bad = (
+        gateway_pb2.GenerateRequest(request_id="utf8-bad", prompt="cafe", sampling=greedy())
+        .SerializeToString()
+        .replace(b"cafe", b"caf\xe9")
+    )  # Latin-1, not UTF-8
     with pytest.raises(grpc.RpcError) as info:
         grpc_raw_generate(disaggregated, bad)
     assert info.value.code() == INVALID, info.value.details()
     assert info.value.details().startswith("prompt is not valid UTF-8 (byte 0xe9 at offset 3)")
     with pytest.raises(grpc.RpcError) as info:
-        grpc_raw_cancel(disaggregated, gateway_pb2.CancelRequest(request_id="re").SerializeToString()
-                        .replace(b"re", b"r\xe9"))
+        grpc_raw_cancel(
+            disaggregated,
+            gateway_pb2.CancelRequest(request_id="re").SerializeToString().replace(b"re", b"r\xe9"),
+        )
     assert info.value.code() == INVALID and "request_id is not valid UTF-8" in info.value.details()
 
-    session = grpc_raw_session(disaggregated, [
-        gateway_pb2.SessionRequest(generate=good).SerializeToString(),
-        gateway_pb2.SessionRequest(generate=gateway_pb2.GenerateRequest(
-            request_id="utf8-bad", prompt="xx", sampling=greedy())).SerializeToString().replace(b"xx", b"\xffx"),
-    ])
+    session = grpc_raw_session(
+        disaggregated,
+        [
+            gateway_pb2.SessionRequest(generate=good).SerializeToString(),
+            gateway_pb2.SessionRequest(
+                generate=gateway_pb2.GenerateRequest(request_id="utf8-bad", prompt="xx", sampling=greedy())
+            )
+            .SerializeToString()
+            .replace(b"xx", b"\xffx"),
+        ],
+    )
     errors = {m.request_id: m.error for m in session if m.HasField("error")}
     assert list(errors) == ["utf8-bad"] and errors["utf8-bad"].code == INVALID.value[0]
     assert "generate.prompt is not valid UTF-8" in errors["utf8-bad"].message
-    ids = [t for m in session if m.request_id == "utf8-good" and m.HasField("delta") for t in m.delta.token_ids]
+    ids = [
+        t for m in session if m.request_id == "utf8-good" and m.HasField("delta") for t in m.delta.token_ids
+    ]
     assert ids == offline["prompts"][0][0]  # the other request of the session was served
     assert grpc_generate(disaggregated, good)[:2] == offline["prompts"][0]  # and the server keeps serving
     assert http_json(disaggregated, "/health")[0] == 200
@@ -589,26 +721,62 @@ HTTP_BAD: list[tuple[str, str, Any, int, str]] = [
     ("malformed JSON", "/v1/completions", b"{not json", 400, "not valid JSON"),
     ("body not an object", "/v1/completions", [1, 2], 400, "must be a JSON object"),
     ("n=2", "/v1/chat/completions", {**CHAT_OK, "n": 2}, 400, "n is not supported"),
-    ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -5}, 400, "max_tokens must be >= 1"),
+    (
+        "negative max_tokens",
+        "/v1/completions",
+        {"prompt": "a", "max_tokens": -5},
+        400,
+        "max_tokens must be >= 1",
+    ),
     ("huge max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": 10**9}, 400, "over the limit of"),
-    ("max_tokens of the wrong type", "/v1/completions", {"prompt": "a", "max_tokens": "8"}, 400,
-     "max_tokens must be an integer"),
+    (
+        "max_tokens of the wrong type",
+        "/v1/completions",
+        {"prompt": "a", "max_tokens": "8"},
+        400,
+        "max_tokens must be an integer",
+    ),
     ("prompt over the context", "/v1/completions", {"prompt": [5] * 600}, 400, "the prompt has 600 tokens"),
     ("unknown model", "/v1/chat/completions", {**CHAT_OK, "model": "gpt-17"}, 404, "is not served here"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt must not be empty"),
     ("bad stop type", "/v1/completions", {"prompt": "a", "stop": 7}, 400, "stop must be a list of str"),
-    ("temperature out of range", "/v1/completions", {"prompt": "a", "temperature": -0.5}, 400,
-     "temperature must be in"),
-    ("unknown field", "/v1/chat/completions", {**CHAT_OK, "frobnicate": True}, 400, "unknown field(s): frobnicate"),
+    (
+        "temperature out of range",
+        "/v1/completions",
+        {"prompt": "a", "temperature": -0.5},
+        400,
+        "temperature must be in",
+    ),
+    (
+        "unknown field",
+        "/v1/chat/completions",
+        {**CHAT_OK, "frobnicate": True},
+        400,
+        "unknown field(s): frobnicate",
+    ),
     ("no messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages must be a non-empty list"),
     ("oversized body", "/v1/completions", {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}, 413, "body size"),
-    ("body not UTF-8", "/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', 400,
-     "the request body is not valid UTF-8: byte 0xe9 at offset 15"),
-    ("unpaired surrogate in the prompt", "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400,
-     "prompt is not valid Unicode: an unpaired surrogate U+D800"),
-    ("unpaired surrogate in a message", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}', 400,
-     "messages[0].content is not valid Unicode"),
+    (
+        "body not UTF-8",
+        "/v1/completions",
+        b'{"prompt": "caf\xe9", "max_tokens": 2}',
+        400,
+        "the request body is not valid UTF-8: byte 0xe9 at offset 15",
+    ),
+    (
+        "unpaired surrogate in the prompt",
+        "/v1/completions",
+        b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+        400,
+        "prompt is not valid Unicode: an unpaired surrogate U+D800",
+    ),
+    (
+        "unpaired surrogate in a message",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
+        400,
+        "messages[0].content is not valid Unicode",
+    ),
     ("unknown route", "/v1/nothing", {}, 404, "Not Found"),
 ]
 
@@ -625,7 +793,7 @@ def test_bad_http_inputs(disaggregated: GatewayThread, case: tuple[str, str, Any
 
 
 def test_stream_error_before_first_token_is_an_http_status(disaggregated: GatewayThread) -> None:
-    status, _, out = http_json(disaggregated, "/v1/completions",
-                               {"prompt": [5] * 300, "max_tokens": 300, "stream": True})
+    status, _, out = http_json(
+        disaggregated, "/v1/completions", {"prompt": [5] * 300, "max_tokens": 300, "stream": True}
+    )
     assert status == 400 and out["error"]["code"] == "context_length_exceeded"
-

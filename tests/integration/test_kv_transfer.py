@@ -36,7 +36,9 @@ def prefill_worker_main(model: str | None, backend: str, lease_ttl_s: float, con
     from prefill_worker.handoff import PrefillHandoff
 
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory=KV_MEMORY if model else 64 << 20))
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype="float32", kv_cache_memory=KV_MEMORY if model else 64 << 20)
+    )
     transport = make_transport(backend, f"prefill-{backend}-{os.getpid()}", kv_layout(engine))
     handoff = PrefillHandoff(engine, transport, lease_ttl_s)
     conn.send(handoff.transport.metadata())
@@ -49,9 +51,16 @@ def prefill_worker_main(model: str | None, backend: str, lease_ttl_s: float, con
             elif cmd == "stats":
                 handoff.service()
                 kv = engine.kv
-                conn.send({"free": kv.num_free_blocks, "total": kv.num_blocks, "pinned": kv.num_pinned_blocks,
-                           "leases": len(handoff.leases), "released": handoff.num_released,
-                           "expired": handoff.num_expired})
+                conn.send(
+                    {
+                        "free": kv.num_free_blocks,
+                        "total": kv.num_blocks,
+                        "pinned": kv.num_pinned_blocks,
+                        "leases": len(handoff.leases),
+                        "released": handoff.num_released,
+                        "expired": handoff.num_expired,
+                    }
+                )
             elif cmd == "stop":
                 handoff.transport.close()
                 conn.send("bye")
@@ -63,7 +72,9 @@ class PrefillProcess:
     def __init__(self, model: str | None, backend: str, lease_ttl_s: float = 30.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=prefill_worker_main, args=(model, backend, lease_ttl_s, child), daemon=True)
+        self.proc = ctx.Process(
+            target=prefill_worker_main, args=(model, backend, lease_ttl_s, child), daemon=True
+        )
         self.proc.start()
         assert self.conn.poll(120), "the prefill process did not start"
         self.metadata: bytes = self.conn.recv()
@@ -97,9 +108,12 @@ class PrefillProcess:
 
 
 def decode_engine(model: str | None, backend: str) -> tuple[LLMEngine, DecodeHandoff]:
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory=KV_MEMORY if model else 64 << 20))
-    return engine, DecodeHandoff(engine, make_transport(backend, f"decode-{backend}-{time.monotonic_ns()}",
-                                                        kv_layout(engine)))
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype="float32", kv_cache_memory=KV_MEMORY if model else 64 << 20)
+    )
+    return engine, DecodeHandoff(
+        engine, make_transport(backend, f"decode-{backend}-{time.monotonic_ns()}", kv_layout(engine))
+    )
 
 
 def run_until_done(engine: LLMEngine, ids: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
@@ -117,8 +131,10 @@ def run_until_done(engine: LLMEngine, ids: list[str], timeout_s: float = 60.0) -
 
 def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 380, (int(torch.randint(5, 70, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 380, (int(torch.randint(5, 70, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -198,7 +214,9 @@ def test_default_model_one_prompt_over_nixl() -> None:
 def test_lease_expires_when_the_decode_side_never_pulls(tiny_llama: Path, backend: str) -> None:
     prefill = PrefillProcess(str(tiny_llama), backend, lease_ttl_s=0.5)
     try:
-        _, handle = prefill.prefill("orphan", list(range(3, 60)), SamplingParams(max_tokens=4, temperature=0.0))
+        _, handle = prefill.prefill(
+            "orphan", list(range(3, 60)), SamplingParams(max_tokens=4, temperature=0.0)
+        )
         assert len(handle.block_ids) == 4
         stats = prefill.wait_all_free(timeout_s=10)
         assert stats["pinned"] == 0 and stats["free"] == stats["total"]
@@ -353,7 +371,9 @@ def test_incompatible_peers_are_rejected_with_a_clear_message(tiny_llama: Path) 
 
     prefill = PrefillProcess(str(tiny_llama), "tcp")
     try:
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=KV_MEMORY, block_size=32))
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=KV_MEMORY, block_size=32)
+        )
         handoff = DecodeHandoff(engine, make_transport("tcp", "decode-bs32", kv_layout(engine)))
         with pytest.raises(KVIncompatible, match="block_size"):
             handoff.add_peer(prefill.metadata)

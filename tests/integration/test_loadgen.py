@@ -46,10 +46,17 @@ def gateway(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         deadline = time.monotonic() + 120
         for worker in workers:
             worker.wait_ready(deadline)
-        gw = GatewayThread(GatewayConfig(
-            model=str(tiny_llama), grpc_port=0, http_port=0, startup_timeout=60, local_prefill_threshold=1,
-            prefill_workers=(workers[0].address,), decode_workers=(workers[1].address,),
-        ))
+        gw = GatewayThread(
+            GatewayConfig(
+                model=str(tiny_llama),
+                grpc_port=0,
+                http_port=0,
+                startup_timeout=60,
+                local_prefill_threshold=1,
+                prefill_workers=(workers[0].address,),
+                decode_workers=(workers[1].address,),
+            )
+        )
         yield gw
     finally:
         if gw is not None:
@@ -67,8 +74,10 @@ def _histogram(gw: GatewayThread, name: str) -> tuple[float, float] | None:
     if not families:
         return None
     samples = [s for family in families for s in family.samples]
-    return (sum(s.value for s in samples if s.name == f"{name}_sum"),
-            sum(s.value for s in samples if s.name == f"{name}_count"))
+    return (
+        sum(s.value for s in samples if s.name == f"{name}_sum"),
+        sum(s.value for s in samples if s.name == f"{name}_count"),
+    )
 
 
 Observed = tuple[float, float]  # (sum of seconds, count) of a histogram
@@ -93,8 +102,12 @@ class Run:
 
 
 @pytest.fixture(scope="module", params=["grpc", "http", "http-chat", "grpc-chat"])
-def run(request: pytest.FixtureRequest, gateway: GatewayThread, tiny_llama: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> Run:
+def run(
+    request: pytest.FixtureRequest,
+    gateway: GatewayThread,
+    tiny_llama: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Run:
     """One run per API: gRPC Session and HTTP SSE, each with completions and with chat."""
     scheme, _, chat = request.param.partition("-")
     out = tmp_path_factory.mktemp(f"loadgen-{request.param}")
@@ -102,25 +115,64 @@ def run(request: pytest.FixtureRequest, gateway: GatewayThread, tiny_llama: Path
     names = ("baton_gateway_ttft_seconds", "baton_gateway_itl_seconds")
     before = [_histogram(gateway, name) for name in names]
     proc = subprocess.run(
-        [sys.executable, "-m", "loadgen", "run", "--target", target, "--tokenizer", str(tiny_llama),
-         "--input-len", "24:40", "--output-len", str(OUTPUT_LEN), "--ignore-eos",
-         "--num-requests", str(NUM_REQUESTS),
-         "--arrival", "poisson", "--rate", "20", "--seed", "1", "--result-file", str(out / "result.json"),
-         "--plot-dir", str(out / "plots"), "--no-progress", "--endpoint", "chat" if chat else "completions"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "loadgen",
+            "run",
+            "--target",
+            target,
+            "--tokenizer",
+            str(tiny_llama),
+            "--input-len",
+            "24:40",
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--ignore-eos",
+            "--num-requests",
+            str(NUM_REQUESTS),
+            "--arrival",
+            "poisson",
+            "--rate",
+            "20",
+            "--seed",
+            "1",
+            "--result-file",
+            str(out / "result.json"),
+            "--plot-dir",
+            str(out / "plots"),
+            "--no-progress",
+            "--endpoint",
+            "chat" if chat else "completions",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     after = [_histogram(gateway, name) for name in names]
-    return Run(request.param, json.loads((out / "result.json").read_text()), proc.stdout, out / "plots",
-               _delta(after[0], before[0]), _delta(after[1], before[1]))
+    return Run(
+        request.param,
+        json.loads((out / "result.json").read_text()),
+        proc.stdout,
+        out / "plots",
+        _delta(after[0], before[0]),
+        _delta(after[1], before[1]),
+    )
 
 
-def test_loadgen_reports_vllm_fields_and_the_forced_token_counts(run: Run, gateway: GatewayThread,
-                                                                 tiny_llama: Path) -> None:
+def test_loadgen_reports_vllm_fields_and_the_forced_token_counts(
+    run: Run, gateway: GatewayThread, tiny_llama: Path
+) -> None:
     result = run.result
     assert "Serving Benchmark Result" in run.stdout and (run.plots / "latency_cdf.png").is_file()
-    assert result["backend"] == {"grpc": "baton-grpc", "http": "openai", "http-chat": "openai-chat",
-                                 "grpc-chat": "baton-grpc"}[run.api]
+    assert (
+        result["backend"]
+        == {"grpc": "baton-grpc", "http": "openai", "http-chat": "openai-chat", "grpc-chat": "baton-grpc"}[
+            run.api
+        ]
+    )
     assert result["model_id"] == gateway.model and result["tokenizer_id"] == str(tiny_llama)
     assert (result["completed"], result["failed"], result["errors_by_kind"]) == (NUM_REQUESTS, 0, {})
     assert result["output_lens"] == [OUTPUT_LEN] * NUM_REQUESTS, "ignore_eos forces every output's length"
@@ -150,10 +202,15 @@ def test_loadgen_ttft_agrees_with_the_gateways_histogram(run: Run) -> None:
         # an unfinished UTF-8 character, held back until a later token completes it, so the first visible
         # chunk may come some gaps after the gateway's first token. Each token merged into a later chunk
         # (output_len - 1 - the request's gaps) may have delayed it by one of the gateway's gaps.
-        merged = [n - 1 - len(gaps) for n, gaps in zip(run.result["output_lens"], run.result["itls"], strict=True)]
+        merged = [
+            n - 1 - len(gaps) for n, gaps in zip(run.result["output_lens"], run.result["itls"], strict=True)
+        ]
         slack += sum(merged) / len(merged) * run.itl[0] / run.itl[1] * 1000.0
     assert gateway_mean_ms - 1.0 <= run.result["mean_ttft_ms"] <= gateway_mean_ms + slack, (
-        run.result["mean_ttft_ms"], gateway_mean_ms, slack)
+        run.result["mean_ttft_ms"],
+        gateway_mean_ms,
+        slack,
+    )
 
 
 def test_loadgen_itl_agrees_with_the_gateways_histogram(run: Run) -> None:

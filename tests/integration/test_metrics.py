@@ -30,8 +30,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| `(baton_\w+)` \| (\w+) \|")
 ACME_KEY = "key-of-acme"
-LONG_PROMPT = ("Continuous batching keeps accelerators busy while sequences come and go, and the quick brown fox "
-               "jumps over the lazy dog near Paris, the capital of France, while Berlin is the capital of Germany.")
+LONG_PROMPT = (
+    "Continuous batching keeps accelerators busy while sequences come and go, and the quick brown fox "
+    "jumps over the lazy dog near Paris, the capital of France, while Berlin is the capital of Germany."
+)
 SHORT_PROMPT = "def add(a, b):"
 
 
@@ -46,13 +48,19 @@ class Up:
 
 
 def start_up(log_dir: Path, model: Path) -> Up:
-    proc, text = launch_baton_up(log_dir, "--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transport", "tcp",
-                                 timeout_s=180)
+    proc, text = launch_baton_up(
+        log_dir, "--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transport", "tcp", timeout_s=180
+    )
     http_url = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
     grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
     redis_url = re.search(r"redis\s+: (redis://\S+)", text)
     metrics = dict(re.findall(r"(\w+)=(http://\S+/metrics)", text))
-    if not (http_url and grpc_addr and redis_url) or set(metrics) != {"gateway", "scheduler", "prefill", "decode"}:
+    if not (http_url and grpc_addr and redis_url) or set(metrics) != {
+        "gateway",
+        "scheduler",
+        "prefill",
+        "decode",
+    }:
         proc.kill()
         raise AssertionError(f"baton up did not become ready:\n{text}")
     return Up(proc, http_url.group(1), grpc_addr.group(1), redis_url.group(1), metrics)
@@ -95,14 +103,26 @@ def complete(up: Up, prompt: str, key: str | None, max_tokens: int = 12) -> dict
     return usage
 
 
-def stream(up: Up, prompt: str, key: str | None, max_tokens: int, stop_after: int | None = None) -> dict[str, int]:
+def stream(
+    up: Up, prompt: str, key: str | None, max_tokens: int, stop_after: int | None = None
+) -> dict[str, int]:
     """An SSE completion with usage; with ``stop_after``, the connection closes after that many chunks."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     host, port = up.http.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body), {
-        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
     response = conn.getresponse()
     assert response.status == 200
     usage: dict[str, int] = {}
@@ -122,8 +142,10 @@ def stream(up: Up, prompt: str, key: str | None, max_tokens: int, stop_after: in
 def grpc_generate(up: Up, prompt: str, key: str, max_tokens: int) -> dict[str, int]:
     with grpc.insecure_channel(up.grpc) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        req = gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        req = gateway_pb2.GenerateRequest(
+            prompt=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
         for msg in stub.Generate(req, timeout=60, metadata=(("x-api-key", key),)):
             if msg.HasField("completion"):
                 u = msg.completion.usage
@@ -142,8 +164,12 @@ class Scrape:
 
     def value(self, sample: str, **labels: str) -> float:
         """The sum of ``sample`` over the series whose labels include ``labels``."""
-        return sum(s.value for f in self.families.values() for s in f.samples
-                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for f in self.families.values()
+            for s in f.samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def labels(self, sample: str, label: str) -> set[str]:
         return {s.labels[label] for f in self.families.values() for s in f.samples if s.name == sample}
@@ -165,9 +191,12 @@ def wait_idle(up: Up, timeout_s: float = 15.0) -> dict[str, Scrape]:
     deadline = time.monotonic() + timeout_s
     while True:
         scrapes = {name: Scrape(up.metrics[name]) for name in ("prefill", "decode")}
-        idle = all(s.value("baton_worker_kv_blocks_free") == s.value("baton_worker_kv_blocks") > 0
-                   and s.value("baton_worker_leases_held") == s.value("baton_worker_requests_running") == 0
-                   and s.value("baton_worker_transfers_in_flight") == 0 for s in scrapes.values())
+        idle = all(
+            s.value("baton_worker_kv_blocks_free") == s.value("baton_worker_kv_blocks") > 0
+            and s.value("baton_worker_leases_held") == s.value("baton_worker_requests_running") == 0
+            and s.value("baton_worker_transfers_in_flight") == 0
+            for s in scrapes.values()
+        )
         if idle:
             return scrapes
         assert time.monotonic() < deadline, "the workers did not free every block"
@@ -187,8 +216,12 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     asyncio.run(add_tenant(up.redis))
     up.tenant_added = True
     # acme: a new long prompt (disaggregated), the same again (a prefix hit), one streamed, one over gRPC.
-    acme = [complete(up, LONG_PROMPT, ACME_KEY), complete(up, LONG_PROMPT, ACME_KEY),
-            stream(up, LONG_PROMPT + " again", ACME_KEY, 10), grpc_generate(up, LONG_PROMPT + " twice", ACME_KEY, 8)]
+    acme = [
+        complete(up, LONG_PROMPT, ACME_KEY),
+        complete(up, LONG_PROMPT, ACME_KEY),
+        stream(up, LONG_PROMPT + " again", ACME_KEY, 10),
+        grpc_generate(up, LONG_PROMPT + " twice", ACME_KEY, 8),
+    ]
     # the default tenant: a short prompt (prefilled on the decode worker) and a long one.
     default = [complete(up, SHORT_PROMPT, None), complete(up, "Paris " + LONG_PROMPT, None, max_tokens=6)]
     cancelled = stream(up, "Berlin " + LONG_PROMPT, None, 200, stop_after=3)
@@ -217,7 +250,9 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     for hist in ("ttft", "e2e", "queue", "prefill", "transfer", "decode"):
         assert gateway.value(f"baton_gateway_{hist}_seconds_count") == n_completed, hist
     e2e = gateway.value("baton_gateway_e2e_seconds_sum")
-    segments = sum(gateway.value(f"baton_gateway_{s}_seconds_sum") for s in ("queue", "prefill", "transfer", "decode"))
+    segments = sum(
+        gateway.value(f"baton_gateway_{s}_seconds_sum") for s in ("queue", "prefill", "transfer", "decode")
+    )
     assert 0 < segments <= e2e
     assert 0 < gateway.value("baton_gateway_ttft_seconds_sum") < e2e
     assert gateway.value("baton_gateway_transfer_seconds_sum") > 0, "no request was handed off"
@@ -226,19 +261,30 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     assert gateway.value("baton_gateway_client_wait_seconds_count") == n_completed
     assert gateway.labels("baton_gateway_ttft_seconds_count", "tenant") == {"acme", "default"}
     version = gateway.labels("baton_gateway_ttft_seconds_count", "version").pop()
-    assert gateway.value("baton_gateway_prompt_tokens_total", tenant="acme") == sum(u["prompt_tokens"] for u in acme)
+    assert gateway.value("baton_gateway_prompt_tokens_total", tenant="acme") == sum(
+        u["prompt_tokens"] for u in acme
+    )
     assert gateway.value("baton_gateway_generation_tokens_total", tenant="acme") == sum(
-        u["completion_tokens"] for u in acme)
+        u["completion_tokens"] for u in acme
+    )
     default_out = sum(u["completion_tokens"] for u in default)
-    assert default_out + 2 <= gateway.value("baton_gateway_generation_tokens_total", tenant="default") < default_out + 200
-    assert gateway.value("baton_gateway_prompt_tokens_total", tenant="default") > sum(u["prompt_tokens"] for u in default)
+    assert (
+        default_out + 2
+        <= gateway.value("baton_gateway_generation_tokens_total", tenant="default")
+        < default_out + 200
+    )
+    assert gateway.value("baton_gateway_prompt_tokens_total", tenant="default") > sum(
+        u["prompt_tokens"] for u in default
+    )
 
     # Workers: their identity, one handoff per prefill, every block back, the cancel timed.
     assert prefill.labels("baton_worker_kv_blocks", "version") == {version}
     assert prefill.labels("baton_worker_kv_blocks", "role") == {"prefill"}
     handoffs = prefill.value("baton_worker_requests_total", rpc="prefill", outcome="ok")
     assert handoffs >= 2
-    assert prefill.value("baton_worker_queue_seconds_count") == prefill.value("baton_worker_prefill_seconds_count")
+    assert prefill.value("baton_worker_queue_seconds_count") == prefill.value(
+        "baton_worker_prefill_seconds_count"
+    )
     assert prefill.value("baton_worker_prefill_seconds_count") == handoffs
     # Each lease ends once. The cancelled request's may end "aborted": the gateway's abort can reach the
     # prefill worker before it has polled the decode worker's release notification.
@@ -260,21 +306,41 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     assert decode.value("baton_worker_abort_seconds_sum") < 1.0
     for page in (prefill, decode):
         assert page.value("baton_worker_kv_blocks_used") == page.value("baton_worker_kv_blocks_pinned") == 0
-        assert page.value("baton_worker_prefix_cache_hits_total") <= page.value("baton_worker_prefix_cache_queries_total")
-        assert page.value("baton_worker_sampled_tokens_total") <= page.value("baton_worker_scheduled_tokens_total")
+        assert page.value("baton_worker_prefix_cache_hits_total") <= page.value(
+            "baton_worker_prefix_cache_queries_total"
+        )
+        assert page.value("baton_worker_sampled_tokens_total") <= page.value(
+            "baton_worker_scheduled_tokens_total"
+        )
         assert page.value("baton_worker_steps_total") > 0
-        assert page.value("baton_worker_preemptions_total") == page.value("baton_worker_slow_reader_aborts_total") == 0
+        assert (
+            page.value("baton_worker_preemptions_total")
+            == page.value("baton_worker_slow_reader_aborts_total")
+            == 0
+        )
     # The repeated prompt hit a prefix cache somewhere.
-    assert prefill.value("baton_worker_prefix_cache_hits_total") + decode.value("baton_worker_prefix_cache_hits_total") > 0
+    assert (
+        prefill.value("baton_worker_prefix_cache_hits_total")
+        + decode.value("baton_worker_prefix_cache_hits_total")
+        > 0
+    )
 
     # Scheduler: the cluster state it reads from Redis.
     assert scheduler.value("baton_scheduler_redis_up") == 1
     assert scheduler.value("baton_scheduler_leases_total", state="pinned") == handoffs
     assert scheduler.value("baton_scheduler_leases_total", state="released") == handoffs
-    assert scheduler.value("baton_scheduler_leases_active") == scheduler.value("baton_scheduler_stranded_blocks") == 0
+    assert (
+        scheduler.value("baton_scheduler_leases_active")
+        == scheduler.value("baton_scheduler_stranded_blocks")
+        == 0
+    )
     assert scheduler.value("baton_scheduler_workers", role="prefill", state="serving") == 1
     assert scheduler.value("baton_scheduler_workers", role="decode", state="serving") == 1
-    assert scheduler.value("baton_scheduler_queue_depth") == scheduler.value("baton_scheduler_queue_waiting") == 0
+    assert (
+        scheduler.value("baton_scheduler_queue_depth")
+        == scheduler.value("baton_scheduler_queue_waiting")
+        == 0
+    )
 
 
 def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
@@ -283,18 +349,22 @@ def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
     wait_idle(up)
     gateway = wait_gateway_idle(up)
     scheduler = Scrape(up.metrics["scheduler"])
-    placed = gateway.value("baton_gateway_requests_total") - gateway.value("baton_gateway_requests_total",
-                                                                          tenant="none")
+    placed = gateway.value("baton_gateway_requests_total") - gateway.value(
+        "baton_gateway_requests_total", tenant="none"
+    )
     assert placed > 0
     decisions = scheduler.value("baton_scheduler_decisions_total")
     assert decisions == scheduler.value("baton_scheduler_decision_seconds_count") == placed
     assert scheduler.value("baton_scheduler_decisions_total", outcome="prefill_pool") == scheduler.value(
-        "baton_scheduler_leases_total", state="pinned")
+        "baton_scheduler_leases_total", state="pinned"
+    )
     assert scheduler.labels("baton_scheduler_decisions_total", "tenant") >= {"default"}
     assert scheduler.value("baton_scheduler_decision_seconds_sum") < placed * 1.0
 
 
-def test_loadgen_against_baton_up_writes_its_json_table_and_plots(up: Up, tiny_llama: Path, tmp_path: Path) -> None:
+def test_loadgen_against_baton_up_writes_its_json_table_and_plots(
+    up: Up, tiny_llama: Path, tmp_path: Path
+) -> None:
     """`loadgen run` (a real subprocess, as a user runs it) against this `baton up` cluster, over gRPC and
     HTTP: the vLLM-compatible JSON, the console table and the PNG plots; every request the gateway
     counted as a completed TTFT sample is one loadgen completed. (After the metric checks above, which
@@ -303,16 +373,49 @@ def test_loadgen_against_baton_up_writes_its_json_table_and_plots(up: Up, tiny_l
     for target in (f"grpc://{up.grpc}", up.http):
         out = tmp_path / target.split(":")[0]
         proc = subprocess.run(
-            [sys.executable, "-m", "loadgen", "run", "--target", target, "--tokenizer", str(tiny_llama),
-             "--input-len", "16:24", "--output-len", "6", "--ignore-eos", "--num-requests", "6", "--arrival",
-             "closed", "--concurrency", "3", "--result-file", str(out / "result.json"), "--plot-dir",
-             str(out / "plots"), "--no-progress"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "loadgen",
+                "run",
+                "--target",
+                target,
+                "--tokenizer",
+                str(tiny_llama),
+                "--input-len",
+                "16:24",
+                "--output-len",
+                "6",
+                "--ignore-eos",
+                "--num-requests",
+                "6",
+                "--arrival",
+                "closed",
+                "--concurrency",
+                "3",
+                "--result-file",
+                str(out / "result.json"),
+                "--plot-dir",
+                str(out / "plots"),
+                "--no-progress",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         assert "Serving Benchmark Result" in proc.stdout and "TTFT" in proc.stdout
         result = json.loads((out / "result.json").read_text())
         assert (result["completed"], result["failed"], result["total_output_tokens"]) == (6, 0, 36)
-        assert {"request_throughput", "output_throughput", "mean_ttft_ms", "p99_itl_ms", "ttfts", "itls"} <= set(result)
+        assert {
+            "request_throughput",
+            "output_throughput",
+            "mean_ttft_ms",
+            "p99_itl_ms",
+            "ttfts",
+            "itls",
+        } <= set(result)
         for png in ("latency_cdf.png", "throughput.png"):
             assert (out / "plots" / png).read_bytes()[:4] == b"\x89PNG"
     assert wait_gateway_idle(up).value("baton_gateway_ttft_seconds_count") == before + 12

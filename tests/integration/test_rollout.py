@@ -73,15 +73,23 @@ def broken_copy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     copy = tmp_path_factory.mktemp("broken") / model.name
     shutil.copytree(model, copy)
     weights = load_file(str(copy / "model.safetensors"))
-    zeroed = {k: torch.zeros_like(v) if ".layers." in k and k.endswith("proj.weight") else v
-              for k, v in weights.items()}
+    zeroed = {
+        k: torch.zeros_like(v) if ".layers." in k and k.endswith("proj.weight") else v
+        for k, v in weights.items()
+    }
     save_file(zeroed, str(copy / "model.safetensors"), metadata={"format": "pt"})
     return copy
 
 
 def baton_models(c: Cluster, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "models", "--scheduler", c.scheduler.address, *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "models", "--scheduler", c.scheduler.address, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -96,7 +104,9 @@ def comparison(c: Cluster, candidate: str) -> dict[str, Any] | None:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     import redis
 
     redis_url = redis_server.url.rsplit("/", 1)[0] + "/5"  # a database of its own on the session's server
@@ -107,16 +117,36 @@ def cluster(redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPa
     gateway = None
     try:
         scheduler.wait_ready(time.monotonic() + 60)
-        builds = {"v1": (tiny_llama, ()), "v2": (tiny_llama, ("--quantization", "int8")),
-                  "v3": (broken_copy(tiny_llama, tmp_path_factory), ("--quantization", "int8"))}
+        builds = {
+            "v1": (tiny_llama, ()),
+            "v2": (tiny_llama, ("--quantization", "int8")),
+            "v3": (broken_copy(tiny_llama, tmp_path_factory), ("--quantization", "int8")),
+        }
         for n, (name, (model, flags)) in enumerate(builds.items(), start=1):
             # One after the other: the first version registered gets the weight.
-            workers[name] = WorkerProcess("both", model, log_dir, "--kv-transport", "tcp", "--scheduler",
-                                          scheduler.address, "--redis-url", redis_url, *flags)
+            workers[name] = WorkerProcess(
+                "both",
+                model,
+                log_dir,
+                "--kv-transport",
+                "tcp",
+                "--scheduler",
+                scheduler.address,
+                "--redis-url",
+                redis_url,
+                *flags,
+            )
             workers[name].wait_ready(time.monotonic() + 120)
             eventually(lambda n=n: scheduler.num_workers() == n, 30, f"worker {name} registered")  # type: ignore[misc]
-        gateway = GatewayThread(GatewayConfig(scheduler=scheduler.address, model=str(tiny_llama), grpc_port=0,
-                                              http_port=0, startup_timeout=60))
+        gateway = GatewayThread(
+            GatewayConfig(
+                scheduler=scheduler.address,
+                model=str(tiny_llama),
+                grpc_port=0,
+                http_port=0,
+                startup_timeout=60,
+            )
+        )
         versions = {name: w.info().model_digest for name, w in workers.items()}
         assert len(set(versions.values())) == 3  # the twin is a version of its own
         yield Cluster(scheduler, workers, gateway, gateway.model, versions)
@@ -133,16 +163,35 @@ def send_traffic(c: Cluster, tag: str) -> list[str]:
     rids = []
     for i, prompt in enumerate(PROMPTS):
         rids.append(f"{tag}-{i}")
-        grpc_generate(c.gateway, gateway_pb2.GenerateRequest(
-            request_id=rids[-1], prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)))
+        grpc_generate(
+            c.gateway,
+            gateway_pb2.GenerateRequest(
+                request_id=rids[-1],
+                prompt=prompt,
+                sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+            ),
+        )
     rids.append(f"{tag}-plain")
-    status, _, body = http_json(c.gateway, "/v1/completions", {
-        "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}, headers={"X-Request-Id": rids[-1]})
+    status, _, body = http_json(
+        c.gateway,
+        "/v1/completions",
+        {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0},
+        headers={"X-Request-Id": rids[-1]},
+    )
     assert status == 200 and body["choices"][0]["logprobs"] is None  # the comparison's logprobs stay inside
     rids.append(f"{tag}-top2")
-    status, _, body = http_json(c.gateway, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": True, "top_logprobs": 2}, headers={"X-Request-Id": rids[-1]})
+    status, _, body = http_json(
+        c.gateway,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": PROMPTS[1]}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        headers={"X-Request-Id": rids[-1]},
+    )
     assert status == 200
     content = body["choices"][0]["logprobs"]["content"]
     assert content and all(len(t["top_logprobs"]) == 2 for t in content)  # what it asked for, not 20
@@ -151,8 +200,18 @@ def send_traffic(c: Cluster, tag: str) -> list[str]:
 
 def shadow_to(c: Cluster, candidate: str) -> dict[str, Any]:
     """All weight on v1, every request mirrored to the candidate; its comparison once all arrived."""
-    baton_models(c, "set", c.model, f"{c.versions['v1']}=1", f"{c.versions['v2']}=0", f"{c.versions['v3']}=0",
-                 "--shadow", c.versions[candidate], "--shadow-share", "1.0")
+    baton_models(
+        c,
+        "set",
+        c.model,
+        f"{c.versions['v1']}=1",
+        f"{c.versions['v2']}=0",
+        f"{c.versions['v3']}=0",
+        "--shadow",
+        c.versions[candidate],
+        "--shadow-share",
+        "1.0",
+    )
     rids = send_traffic(c, f"shadow-{candidate}")
 
     def arrived() -> bool:
@@ -171,10 +230,12 @@ def test_the_int8_twin_agrees_with_its_version(cluster: Cluster) -> None:
     assert got["top1_agreement"] >= DEFAULT_MIN_TOP1 and got["mean_kl"] <= DEFAULT_MAX_KL, got
     assert got["flagged"] == ""
     assert got["shadow_ttft_ms"] > 0 and got["primary_ttft_ms"] > 0 and got["shadow_itl_ms"] > 0
-    print(f"\nint8 twin shadowed on {got['requests']} requests: greedy agreement {got['greedy_agreement']:.3f}, "
-          f"top-1 {got['top1_agreement']:.3f} over {got['positions']} positions, mean KL {got['mean_kl']:.5f}; "
-          f"TTFT {got['shadow_ttft_ms']:.1f} vs {got['primary_ttft_ms']:.1f} ms, "
-          f"ITL {got['shadow_itl_ms']:.1f} vs {got['primary_itl_ms']:.1f} ms")
+    print(
+        f"\nint8 twin shadowed on {got['requests']} requests: greedy agreement {got['greedy_agreement']:.3f}, "
+        f"top-1 {got['top1_agreement']:.3f} over {got['positions']} positions, mean KL {got['mean_kl']:.5f}; "
+        f"TTFT {got['shadow_ttft_ms']:.1f} vs {got['primary_ttft_ms']:.1f} ms, "
+        f"ITL {got['shadow_itl_ms']:.1f} vs {got['primary_itl_ms']:.1f} ms"
+    )
 
 
 def test_a_broken_candidate_is_flagged(cluster: Cluster) -> None:
@@ -186,20 +247,32 @@ def test_a_broken_candidate_is_flagged(cluster: Cluster) -> None:
     assert "FLAGGED" in row
     twin = next(line for line in text.splitlines() if line.startswith(cluster.versions["v2"] + " "))
     assert twin.rstrip().endswith("ok")
-    print(f"\nbroken candidate: top-1 {got['top1_agreement']:.3f}, mean KL {got['mean_kl']:.3f} -> {got['flagged']}")
+    print(
+        f"\nbroken candidate: top-1 {got['top1_agreement']:.3f}, mean KL {got['mean_kl']:.3f} -> {got['flagged']}"
+    )
 
 
 _PLACED = re.compile(r"request (\S+) placed: prefill=\S+ decode=(\S+) .* version=(\S+) shadow=(\S+)")
 
 
-def test_promote_and_roll_back_with_one_command_each(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+def test_promote_and_roll_back_with_one_command_each(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
     c, v = cluster, cluster.versions
     caplog.set_level(logging.INFO, logger="services")
 
     def served_by(rid: str) -> tuple[str, str]:
-        grpc_generate(c.gateway, gateway_pb2.GenerateRequest(
-            request_id=rid, prompt=PROMPTS[0], sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0)))
-        placed = [m for m in map(_PLACED.match, (r.getMessage() for r in caplog.records)) if m and m.group(1) == rid]
+        grpc_generate(
+            c.gateway,
+            gateway_pb2.GenerateRequest(
+                request_id=rid,
+                prompt=PROMPTS[0],
+                sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+            ),
+        )
+        placed = [
+            m for m in map(_PLACED.match, (r.getMessage() for r in caplog.records)) if m and m.group(1) == rid
+        ]
         return placed[-1].group(3), placed[-1].group(4)
 
     baton_models(c, "set", c.model, f"{v['v1']}=0", f"{v['v2']}=1", "--shadow", "")  # promote

@@ -37,8 +37,14 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10
 
 
 async def cli(*args: str) -> str:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", *args,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await proc.communicate()
     assert proc.returncode == 0, out.decode()
     return out.decode()
@@ -56,9 +62,18 @@ class Cluster:
 
     async def start_worker(self, role: str) -> tuple[str, worker_pb2_grpc.WorkerStub]:
         assert self.scheduler is not None
-        w = await serve_worker(WorkerConfig(role=role, model=str(self.model), kv_transport="tcp", dtype="float32",
-                                            kv_cache_memory=4 << 20, threads=1, scheduler=self.scheduler.address,
-                                            redis_url=self.redis_url))
+        w = await serve_worker(
+            WorkerConfig(
+                role=role,
+                model=str(self.model),
+                kv_transport="tcp",
+                dtype="float32",
+                kv_cache_memory=4 << 20,
+                threads=1,
+                scheduler=self.scheduler.address,
+                redis_url=self.redis_url,
+            )
+        )
         self.workers[w.address] = w
         assert w.membership is not None
         await asyncio.wait_for(w.membership.registered.wait(), 10)
@@ -95,7 +110,10 @@ async def with_solo_tenant(c: Cluster, max_concurrent: int) -> tuple[SchedulerSe
     await c.scheduler.servicer.tenants.add_tenant(solo)
     return c.scheduler.servicer, solo
 
-def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server: Any, tiny_llama: Path) -> None:
+
+def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(
+    redis_server: Any, tiny_llama: Path
+) -> None:
     async def body(c: Cluster) -> None:
         # Not a short heartbeat timeout: with 0.6 s, a decode worker that missed one heartbeat on a busy
         # machine left placement and the whole burst below went to the other (seen in a fresh-clone run).
@@ -114,30 +132,49 @@ def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(redis_server:
         assert "0.500" in out and "       3" in out
 
         long_prompt = list(range(3, 200))
-        placed = await sched.Place(scheduler_pb2.PlaceRequest(request_id="a", prompt_token_ids=long_prompt,
-                                                              max_tokens=8))
+        placed = await sched.Place(
+            scheduler_pb2.PlaceRequest(request_id="a", prompt_token_ids=long_prompt, max_tokens=8)
+        )
         assert placed.prefill_worker == p_addr and placed.decode_worker in (d1, d2)
         assert placed.tenant == "default" and placed.cache_salt and placed.decision_ms > 0
-        short = await sched.Place(scheduler_pb2.PlaceRequest(request_id="b", prompt_token_ids=[5, 6, 7], max_tokens=4))
+        short = await sched.Place(
+            scheduler_pb2.PlaceRequest(request_id="b", prompt_token_ids=[5, 6, 7], max_tokens=4)
+        )
         assert not short.HasField("prefill_worker")
         # A burst between two heartbeats spreads: the scheduler counts what it placed since the last one.
-        burst = [await sched.Place(scheduler_pb2.PlaceRequest(request_id=f"burst{i}", prompt_token_ids=[9 + i] * 40,
-                                                              max_tokens=32)) for i in range(8)]
+        burst = [
+            await sched.Place(
+                scheduler_pb2.PlaceRequest(
+                    request_id=f"burst{i}", prompt_token_ids=[9 + i] * 40, max_tokens=32
+                )
+            )
+            for i in range(8)
+        ]
         assert {p.decode_worker for p in burst} == {d1, d2}
         for i in range(8):
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=f"burst{i}", tenant="default"))
 
         # Warm d1's prefix cache with the tenant's salt; its next heartbeat publishes the hashes.
-        warm = [m async for m in d1_stub.Decode(worker_pb2.DecodeRequest(
-            request_id="warm", prompt_token_ids=long_prompt, sampling=GREEDY, cache_salt=placed.cache_salt))]
+        warm = [
+            m
+            async for m in d1_stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="warm",
+                    prompt_token_ids=long_prompt,
+                    sampling=GREEDY,
+                    cache_salt=placed.cache_salt,
+                )
+            )
+        ]
         assert warm[-1].finish_reason
         for rid in ("a", "b", "warm"):
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant="default"))
 
         async def prefers_d1() -> bool:
             rid = f"c{time.monotonic_ns()}"
-            again = await sched.Place(scheduler_pb2.PlaceRequest(
-                request_id=rid, prompt_token_ids=long_prompt + [9], max_tokens=8))
+            again = await sched.Place(
+                scheduler_pb2.PlaceRequest(request_id=rid, prompt_token_ids=long_prompt + [9], max_tokens=8)
+            )
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant="default"))
             return again.decode_worker == d1 and again.prefix_hit_blocks == len(long_prompt) // 16
 
@@ -159,24 +196,39 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
         d_addr, d_stub = await c.start_worker("decode")
 
         # Quota: one request in flight for "solo"; a second gets RESOURCE_EXHAUSTED with retry-after.
-        first = await sched.Place(scheduler_pb2.PlaceRequest(request_id="q1", api_key="key-solo",
-                                                             prompt_token_ids=[5] * 40, max_tokens=4))
+        first = await sched.Place(
+            scheduler_pb2.PlaceRequest(
+                request_id="q1", api_key="key-solo", prompt_token_ids=[5] * 40, max_tokens=4
+            )
+        )
         assert first.tenant == "solo"
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await sched.Place(scheduler_pb2.PlaceRequest(request_id="q2", api_key="key-solo",
-                                                         prompt_token_ids=[5] * 40, max_tokens=4))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurren" in (e.value.details() or "")
+            await sched.Place(
+                scheduler_pb2.PlaceRequest(
+                    request_id="q2", api_key="key-solo", prompt_token_ids=[5] * 40, max_tokens=4
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurren" in (
+            e.value.details() or ""
+        )
         assert dict(e.value.trailing_metadata() or ()).get("retry-after")
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await sched.Place(scheduler_pb2.PlaceRequest(request_id="q3", api_key="wrong", prompt_token_ids=[5]))
+            await sched.Place(
+                scheduler_pb2.PlaceRequest(request_id="q3", api_key="wrong", prompt_token_ids=[5])
+            )
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         await sched.Finish(scheduler_pb2.FinishRequest(request_id="q1", tenant="solo"))
-        await sched.Place(scheduler_pb2.PlaceRequest(request_id="q2", api_key="key-solo", prompt_token_ids=[5] * 40,
-                                                     max_tokens=4))
+        await sched.Place(
+            scheduler_pb2.PlaceRequest(
+                request_id="q2", api_key="key-solo", prompt_token_ids=[5] * 40, max_tokens=4
+            )
+        )
 
         # The cancellation bus reaches the decode worker holding the request.
         long = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        call = d_stub.Decode(worker_pb2.DecodeRequest(request_id="bus", prompt_token_ids=[7] * 30, sampling=long))
+        call = d_stub.Decode(
+            worker_pb2.DecodeRequest(request_id="bus", prompt_token_ids=[7] * 30, sampling=long)
+        )
         seen = 0
         last = None
         async for msg in call:
@@ -190,16 +242,33 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
         await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="early"))
         await asyncio.sleep(0.2)  # the bus delivers asynchronously
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            _ = [m async for m in d_stub.Decode(worker_pb2.DecodeRequest(
-                request_id="early", prompt_token_ids=[7] * 30, sampling=long))]
-        assert e.value.code() == grpc.StatusCode.CANCELLED and "before it arrived" in (e.value.details() or "")
+            _ = [
+                m
+                async for m in d_stub.Decode(
+                    worker_pb2.DecodeRequest(request_id="early", prompt_token_ids=[7] * 30, sampling=long)
+                )
+            ]
+        assert e.value.code() == grpc.StatusCode.CANCELLED and "before it arrived" in (
+            e.value.details() or ""
+        )
 
         # The lease reaper: a prefill whose decode never comes; its lease expires and P frees the blocks.
-        r = await p_stub.Prefill(worker_pb2.PrefillRequest(request_id="orphan", prompt_token_ids=list(range(3, 60)),
-                                                           sampling=GREEDY))
-        await sched.ReportLease(scheduler_pb2.ReportLeaseRequest(
-            event=scheduler_pb2.LEASE_EVENT_PINNED, lease_id=r.handle.lease_id, request_id="orphan",
-            prefill_worker=p_addr, decode_worker=d_addr, num_blocks=len(r.handle.block_ids), ttl_s=0.3))
+        r = await p_stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="orphan", prompt_token_ids=list(range(3, 60)), sampling=GREEDY
+            )
+        )
+        await sched.ReportLease(
+            scheduler_pb2.ReportLeaseRequest(
+                event=scheduler_pb2.LEASE_EVENT_PINNED,
+                lease_id=r.handle.lease_id,
+                request_id="orphan",
+                prefill_worker=p_addr,
+                decode_worker=d_addr,
+                num_blocks=len(r.handle.block_ids),
+                ttl_s=0.3,
+            )
+        )
         assert (await p_stub.Info(worker_pb2.InfoRequest())).num_leases == 1
 
         async def freed() -> bool:
@@ -221,7 +290,9 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
         await eventually(evicted)
         print(f"stopped decode worker left placement after {time.monotonic() - t0:.2f} s")
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await sched.Place(scheduler_pb2.PlaceRequest(request_id="nod", prompt_token_ids=[5] * 40, max_tokens=4))
+            await sched.Place(
+                scheduler_pb2.PlaceRequest(request_id="nod", prompt_token_ids=[5] * 40, max_tokens=4)
+            )
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decode worker" in (e.value.details() or "")
 
     run(redis_server, tiny_llama, body)
@@ -239,10 +310,14 @@ def test_redis_outage_gives_unavailable_and_heals_itself(redis_server: Any, tiny
             place.request_id = "during"
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await sched.Place(place, timeout=10)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in (e.value.details() or "")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in (
+                e.value.details() or ""
+            )
             # Workers' and operators' calls too: UNAVAILABLE (retry later), never grpc's UNKNOWN.
-            for call in (sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(), timeout=10),
-                         sched.Heartbeat(scheduler_pb2.HeartbeatRequest(address="w:1", load_only=True), timeout=10)):
+            for call in (
+                sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(), timeout=10),
+                sched.Heartbeat(scheduler_pb2.HeartbeatRequest(address="w:1", load_only=True), timeout=10),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await call
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
@@ -290,8 +365,9 @@ def test_rollout_weights_route_sticky_shares_and_rollback_is_immediate(
         await sched.SetRollout(scheduler_pb2.SetRolloutRequest(model=model, weights={old: 0.9, new: 0.1}))
 
         async def place(rid: str) -> str:
-            reply = await sched.Place(scheduler_pb2.PlaceRequest(request_id=rid, prompt_token_ids=[5] * 20,
-                                                                 max_tokens=4))
+            reply = await sched.Place(
+                scheduler_pb2.PlaceRequest(request_id=rid, prompt_token_ids=[5] * 20, max_tokens=4)
+            )
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant=reply.tenant))
             return str(reply.version)
 
@@ -308,7 +384,8 @@ def test_rollout_weights_route_sticky_shares_and_rollback_is_immediate(
 
 
 def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_gives_up(
-        redis_server: Any, tiny_llama: Path) -> None:
+    redis_server: Any, tiny_llama: Path
+) -> None:
     """The gateway's `SchedulerRouter` multiplexes every request's calls on one `Calls` stream: each call
     gets its own answer or error (the status a unary call would end with), and a Place the gateway
     gives up — cancelled, or its whole stream gone with the gateway — leaves the fair queue with its
@@ -317,8 +394,13 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
     from services.gateway.router import RouteQuery, SchedulerRouter
 
     def query(rid: str, key: str = "key-solo", prompt: list[int] | None = None) -> RouteQuery:
-        return RouteQuery(request_id=rid, api_key=key, model="", prompt_token_ids=[5] * 40 if prompt is None else prompt,
-                          max_tokens=4)
+        return RouteQuery(
+            request_id=rid,
+            api_key=key,
+            model="",
+            prompt_token_ids=[5] * 40 if prompt is None else prompt,
+            max_tokens=4,
+        )
 
     async def body(c: Cluster) -> None:
         servicer, solo = await with_solo_tenant(c, max_concurrent=1)
@@ -328,9 +410,13 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
         router = SchedulerRouter(c.scheduler.address)
         try:
             # Four calls in flight at once on the one stream: one placed, three refused, each for its reason.
-            results = await asyncio.gather(router.route(query("s1")), router.route(query("s2")),
-                                           router.route(query("s3", key="wrong")), router.route(query("s4", prompt=[])),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                router.route(query("s1")),
+                router.route(query("s2")),
+                router.route(query("s3", key="wrong")),
+                router.route(query("s4", prompt=[])),
+                return_exceptions=True,
+            )
             placed = [r for r in results if not isinstance(r, BaseException)]
             assert len(placed) == 1 and placed[0].decode == d_addr and placed[0].tenant == "solo"
             errors = sorted(type(r).__name__ for r in results if isinstance(r, BaseException))
@@ -396,12 +482,17 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             waiting = asyncio.create_task(router.route(query("w1")))
 
             async def queued() -> bool:
-                return await servicer.queue.depth("solo") == 1 and (await servicer.quota.usage(solo)).concurrent == 1
+                return (
+                    await servicer.queue.depth("solo") == 1
+                    and (await servicer.quota.usage(solo)).concurrent == 1
+                )
 
             await eventually(queued)
             waiting.cancel()
             took = await eventually(lambda: _both(servicer.queue.depth("solo"), quota_free()))
-            print(f"an abandoned Place left the fair queue, quota returned, {took * 1e3:.0f} ms after the cancel")
+            print(
+                f"an abandoned Place left the fair queue, quota returned, {took * 1e3:.0f} ms after the cancel"
+            )
 
             # A gateway that goes away: its stream breaks and every Place it was waiting on is undone.
             other = SchedulerRouter(c.scheduler.address)
@@ -427,7 +518,9 @@ async def _both(depth: Awaitable[int], free: Awaitable[bool]) -> bool:
     return empty and quota_free
 
 
-def test_a_lease_ends_even_when_its_pin_lands_after_its_end_was_sent(redis_server: Any, tiny_llama: Path) -> None:
+def test_a_lease_ends_even_when_its_pin_lands_after_its_end_was_sent(
+    redis_server: Any, tiny_llama: Path
+) -> None:
     """The gateway reports a lease's pin and, as soon as the decode worker streams (or fails), its end:
     two fire-and-forget calls on one `Calls` stream, which the scheduler runs as concurrent tasks. A pin
     whose Redis write is slow (e.g. on a connection the pool had to open) lands after the end; the lease
@@ -497,7 +590,9 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
     run(redis_server, tiny_llama, body)
 
 
-def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_server: Any, tiny_llama: Path) -> None:
+def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(
+    redis_server: Any, tiny_llama: Path
+) -> None:
     """A request protobuf cannot decode (a string that is not UTF-8, a corrupt wire format) is the
     caller's error, INVALID_ARGUMENT with the reason, on every kind of call of the scheduler and the
     workers (rpc.servicer); grpc alone answers UNKNOWN, as for a server fault."""
@@ -516,12 +611,19 @@ def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_ser
         d_addr, d_stub = await c.start_worker("decode")
         channel = grpc.aio.insecure_channel(c.scheduler.address)
         assert "PlaceRequest" in await refused(channel.unary_unary("/baton.v1.Scheduler/Place")(not_utf8))
-        assert "HeartbeatRequest" in await refused(channel.unary_unary("/baton.v1.Scheduler/Heartbeat")(corrupt))
+        assert "HeartbeatRequest" in await refused(
+            channel.unary_unary("/baton.v1.Scheduler/Heartbeat")(corrupt)
+        )
 
         async def calls_stream() -> None:  # a good batch is answered; the malformed one ends the stream
             call = channel.stream_stream("/baton.v1.Scheduler/Calls")()
-            good = scheduler_pb2.SchedulerCalls(calls=[scheduler_pb2.SchedulerCall(
-                call_id=1, cancel=scheduler_pb2.SchedulerCancelRequest(request_id="nobody"))])
+            good = scheduler_pb2.SchedulerCalls(
+                calls=[
+                    scheduler_pb2.SchedulerCall(
+                        call_id=1, cancel=scheduler_pb2.SchedulerCancelRequest(request_id="nobody")
+                    )
+                ]
+            )
             await call.write(good.SerializeToString())
             reply = scheduler_pb2.SchedulerReplies.FromString(await call.read())
             assert [r.call_id for r in reply.replies] == [1]
@@ -541,14 +643,20 @@ def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(redis_ser
         # Well-formed but wrong: the operator's rollout call names what is wrong, with its status.
         versions = (await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())).versions
         model, version = versions[0].model, versions[0].version
-        for weights_of, want in ((("nope", {version: 1.0}), grpc.StatusCode.NOT_FOUND),
-                                 ((model, {"v-nope": 1.0}), grpc.StatusCode.INVALID_ARGUMENT),
-                                 ((model, {version: -1.0}), grpc.StatusCode.INVALID_ARGUMENT)):
+        for weights_of, want in (
+            (("nope", {version: 1.0}), grpc.StatusCode.NOT_FOUND),
+            ((model, {"v-nope": 1.0}), grpc.StatusCode.INVALID_ARGUMENT),
+            ((model, {version: -1.0}), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await sched.SetRollout(scheduler_pb2.SetRolloutRequest(model=weights_of[0], weights=weights_of[1]))
+                await sched.SetRollout(
+                    scheduler_pb2.SetRolloutRequest(model=weights_of[0], weights=weights_of[1])
+                )
             assert e.value.code() == want and e.value.details(), e.value
         # Both still serve.
-        placed = await sched.Place(scheduler_pb2.PlaceRequest(request_id="ok", prompt_token_ids=[5] * 8, max_tokens=2))
+        placed = await sched.Place(
+            scheduler_pb2.PlaceRequest(request_id="ok", prompt_token_ids=[5] * 8, max_tokens=2)
+        )
         assert placed.decode_worker == d_addr
         assert (await d_stub.Info(worker_pb2.InfoRequest())).model
         await channel.close()

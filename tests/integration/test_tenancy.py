@@ -109,7 +109,9 @@ async def add_tenants(redis_url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     import redis
 
     redis_url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own on the session's server
@@ -122,14 +124,32 @@ def cluster(redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPa
         scheduler.wait_ready(time.monotonic() + 60)
         for n, model in enumerate((tiny_llama, second_version(tiny_llama, tmp_path_factory)), start=1):
             # One after the other: the first version registered gets the weight.
-            workers.append(WorkerProcess("both", model, log_dir, "--kv-transport", "tcp", "--scheduler",
-                                         scheduler.address, "--redis-url", redis_url))
+            workers.append(
+                WorkerProcess(
+                    "both",
+                    model,
+                    log_dir,
+                    "--kv-transport",
+                    "tcp",
+                    "--scheduler",
+                    scheduler.address,
+                    "--redis-url",
+                    redis_url,
+                )
+            )
             workers[-1].wait_ready(time.monotonic() + 120)
             eventually(lambda n=n: scheduler.num_workers() == n, 30, f"worker {n} registered")  # type: ignore[misc]
         asyncio.run(add_tenants(redis_url))
-        gateway = GatewayThread(GatewayConfig(
-            scheduler=scheduler.address, model=str(tiny_llama), grpc_port=0, http_port=0,
-            max_output_tokens=LONG + 50, startup_timeout=60))
+        gateway = GatewayThread(
+            GatewayConfig(
+                scheduler=scheduler.address,
+                model=str(tiny_llama),
+                grpc_port=0,
+                http_port=0,
+                max_output_tokens=LONG + 50,
+                startup_timeout=60,
+            )
+        )
         v1, v2 = workers
         versions = (v1.info().model_digest, v2.info().model_digest)
         assert versions[0] != versions[1]
@@ -148,7 +168,10 @@ def offline(tiny_llama: Path) -> list[tuple[list[int], str]]:
     from engine import LLM
 
     llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20, dtype="float32", num_threads=1)
-    return [(o.token_ids, o.text) for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
+    return [
+        (o.token_ids, o.text)
+        for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    ]
 
 
 def set_rollout(c: Cluster, shadow: bool) -> None:
@@ -157,24 +180,49 @@ def set_rollout(c: Cluster, shadow: bool) -> None:
     v1, v2 = c.versions
     if shadow:
         out = subprocess.run(
-            [sys.executable, "-m", "services.cli", "models", "--scheduler", c.scheduler.address, "set", c.model,
-             f"{v1}=1", f"{v2}=0", "--shadow", v2, "--shadow-share", "1.0"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "models",
+                "--scheduler",
+                c.scheduler.address,
+                "set",
+                c.model,
+                f"{v1}=1",
+                f"{v2}=0",
+                "--shadow",
+                v2,
+                "--shadow-share",
+                "1.0",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
     else:
         assert c.scheduler.stub is not None
-        c.scheduler.stub.SetRollout(scheduler_pb2.SetRolloutRequest(
-            model=c.model, weights={v1: 1.0, v2: 0.0}, shadow_version=""), timeout=10)
+        c.scheduler.stub.SetRollout(
+            scheduler_pb2.SetRolloutRequest(model=c.model, weights={v1: 1.0, v2: 0.0}, shadow_version=""),
+            timeout=10,
+        )
     assert c.scheduler.stub is not None
-    listed = c.scheduler.stub.ListModelVersions(scheduler_pb2.ListModelVersionsRequest(model=c.model), timeout=10)
+    listed = c.scheduler.stub.ListModelVersions(
+        scheduler_pb2.ListModelVersionsRequest(model=c.model), timeout=10
+    )
     assert (dict(listed.shadow).get(c.model) == v2) == shadow
 
 
 # --- shadow traffic --------------------------------------------------------------------------------
 
 _PLACED = re.compile(r"request (\S+) placed: prefill=\S+ decode=(\S+) .* version=(\S+) shadow=(\S+)")
-_SHADOWED = re.compile(r"request (\S+) shadowed on (\S+): version (\S+) vs (\S+) (\w+) agreement=([\d.]+) "
-                       r"top1=([\d.]+) kl=([\d.]+) .* ttft=([\d.]+)ms itl=([\d.]+)ms \(primary ttft=([\d.]+)ms")
+_SHADOWED = re.compile(
+    r"request (\S+) shadowed on (\S+): version (\S+) vs (\S+) (\w+) agreement=([\d.]+) "
+    r"top1=([\d.]+) kl=([\d.]+) .* ttft=([\d.]+)ms itl=([\d.]+)ms \(primary ttft=([\d.]+)ms"
+)
 
 
 @pytest.fixture
@@ -200,27 +248,44 @@ def test_shadow_traffic_mirrors_every_request_to_the_candidate(
     c, (v1, v2) = shadowing, shadowing.versions
     before = shadow_counts()
     pair = {"version": v1, "shadow_version": v2}
-    agreement = (metric("baton_gateway_shadow_agreement_sum", pair), metric("baton_gateway_shadow_agreement_count", pair))
+    agreement = (
+        metric("baton_gateway_shadow_agreement_sum", pair),
+        metric("baton_gateway_shadow_agreement_count", pair),
+    )
     perfect = metric("baton_gateway_shadow_agreement_bucket", {**pair, "le": "0.999"})
     rids = []
     for i, (prompt, expected) in enumerate(zip(PROMPTS, offline, strict=True)):
         rids.append(f"shadow-grpc-{i}")
-        got = grpc_generate(c.gateway, gateway_pb2.GenerateRequest(request_id=rids[-1], prompt=prompt,
-                                                                    sampling=greedy()))
+        got = grpc_generate(
+            c.gateway, gateway_pb2.GenerateRequest(request_id=rids[-1], prompt=prompt, sampling=greedy())
+        )
         assert got[:2] == expected  # exactly v1's output
     rids.append("shadow-http")
-    status, _, body = http_json(c.gateway, "/v1/completions", {
-        "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}, headers={"X-Request-Id": rids[-1]})
+    status, _, body = http_json(
+        c.gateway,
+        "/v1/completions",
+        {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0},
+        headers={"X-Request-Id": rids[-1]},
+    )
     assert status == 200 and body["choices"][0]["text"] == offline[1][1]
     rids.append("shadow-sampled")  # no seed: the gateway fixes one, and the shadow samples with it
-    grpc_generate(c.gateway, gateway_pb2.GenerateRequest(request_id=rids[-1], prompt=PROMPTS[0],
-                                                         sampling=common_pb2.SamplingParams(max_tokens=24)))
+    grpc_generate(
+        c.gateway,
+        gateway_pb2.GenerateRequest(
+            request_id=rids[-1], prompt=PROMPTS[0], sampling=common_pb2.SamplingParams(max_tokens=24)
+        ),
+    )
 
     n = len(rids)
     eventually(lambda: shadow_counts()["identical"] == before["identical"] + n, 30, "every shadow compared")
     after = shadow_counts()
     assert {o: after[o] - before[o] for o in SHADOW_OUTCOMES} == {
-        "identical": n, "diverged": 0, "skipped": 0, "failed": 0, "cancelled": 0}
+        "identical": n,
+        "diverged": 0,
+        "skipped": 0,
+        "failed": 0,
+        "cancelled": 0,
+    }
     assert metric("baton_gateway_shadow_agreement_count", pair) - agreement[1] == n
     assert metric("baton_gateway_shadow_agreement_sum", pair) - agreement[0] == pytest.approx(n)  # 1.0 each
     assert metric("baton_gateway_shadow_agreement_bucket", {**pair, "le": "0.999"}) == perfect
@@ -236,26 +301,37 @@ def test_shadow_traffic_mirrors_every_request_to_the_candidate(
     # Same weights: the next-token distributions agree on top-1 everywhere, at a KL of float noise.
     assert all(float(shadowed[r][5]) == 1.0 and float(shadowed[r][6]) < 1e-3 for r in rids)
     ttft, itl, primary_ttft = ([float(shadowed[r][k]) for r in rids] for k in (7, 8, 9))
-    print(f"\n{n} requests shadowed to v2, agreement 1.0 each (identical outputs), top-1 1.0, KL <= "
-          f"{max(float(shadowed[r][6]) for r in rids):.4f}; shadow ttft {min(ttft):.1f}–{max(ttft):.1f} ms, "
-          f"itl {min(itl):.1f}–{max(itl):.1f} ms (primary ttft {min(primary_ttft):.1f}–{max(primary_ttft):.1f} ms)")
+    print(
+        f"\n{n} requests shadowed to v2, agreement 1.0 each (identical outputs), top-1 1.0, KL <= "
+        f"{max(float(shadowed[r][6]) for r in rids):.4f}; shadow ttft {min(ttft):.1f}–{max(ttft):.1f} ms, "
+        f"itl {min(itl):.1f}–{max(itl):.1f} ms (primary ttft {min(primary_ttft):.1f}–{max(primary_ttft):.1f} ms)"
+    )
 
 
 def test_a_cancelled_request_cancels_its_shadow(shadowing: Cluster) -> None:
     c = shadowing
     before = shadow_counts()
-    responses = c.gateway.stub.Generate(gateway_pb2.GenerateRequest(
-        request_id="shadow-cancelled", prompt=PROMPTS[2], sampling=greedy(LONG, ignore_eos=True)), timeout=60)
+    responses = c.gateway.stub.Generate(
+        gateway_pb2.GenerateRequest(
+            request_id="shadow-cancelled", prompt=PROMPTS[2], sampling=greedy(LONG, ignore_eos=True)
+        ),
+        timeout=60,
+    )
     assert next(responses).HasField("delta")
     responses.cancel()
-    eventually(lambda: shadow_counts()["cancelled"] == before["cancelled"] + 1, 10,
-               "the shadow cancelled with its primary")
+    eventually(
+        lambda: shadow_counts()["cancelled"] == before["cancelled"] + 1,
+        10,
+        "the shadow cancelled with its primary",
+    )
     t0 = time.perf_counter()
     c.v2.wait_all_free()  # the shadow worker dropped the request and freed its blocks
     c.v1.wait_all_free()
     assert shadow_counts()["identical"] == before["identical"]
-    print(f"\nshadow cancelled with its primary; the v2 worker free {(time.perf_counter() - t0) * 1e3:.0f} ms "
-          "after the gateway counted it")
+    print(
+        f"\nshadow cancelled with its primary; the v2 worker free {(time.perf_counter() - t0) * 1e3:.0f} ms "
+        "after the gateway counted it"
+    )
 
 
 # --- tenant isolation ------------------------------------------------------------------------------
@@ -267,15 +343,24 @@ def _long_prompt(tag: str) -> str:
 
 
 def http_cached(c: Cluster, tenant: str, prompt: str) -> tuple[int, int]:
-    status, _, body = http_json(c.gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0},
-                                headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+    status, _, body = http_json(
+        c.gateway,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 2, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+    )
     assert status == 200, body
     return body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def grpc_cached(c: Cluster, tenant: str, prompt: str) -> int:
-    completion = list(c.gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, sampling=greedy(2)),
-                                              timeout=60, metadata=(("x-api-key", KEYS[tenant]),)))[-1].completion
+    completion = list(
+        c.gateway.stub.Generate(
+            gateway_pb2.GenerateRequest(prompt=prompt, sampling=greedy(2)),
+            timeout=60,
+            metadata=(("x-api-key", KEYS[tenant]),),
+        )
+    )[-1].completion
     return int(completion.usage.cached_tokens)
 
 
@@ -294,8 +379,10 @@ def test_tenants_never_hit_each_others_prefix_cache(cluster: Cluster) -> None:
     assert http_cached(c, "carol", shared)[1] == 0
     assert http_cached(c, "dave", shared)[1] == full_hit  # both configured share_prefix_cache=True
     assert grpc_cached(c, "alice", shared) == 0  # a tenant that does not share never sees the shared cache
-    print(f"\nprompt of {num_tokens} tokens: alice 0 then {full_hit} cached tokens; bob 0; "
-          f"carol → dave (sharing) {full_hit}; alice on the shared prompt 0")
+    print(
+        f"\nprompt of {num_tokens} tokens: alice 0 then {full_hit} cached tokens; bob 0; "
+        f"carol → dave (sharing) {full_hit}; alice on the shared prompt 0"
+    )
 
 
 # --- token-rate quota ------------------------------------------------------------------------------
@@ -317,9 +404,15 @@ def test_a_token_rate_quota_answers_429_with_retry_after(cluster: Cluster) -> No
     assert "16 tokens requested" in error["message"]
 
     with pytest.raises(grpc.RpcError) as info:
-        list(c.gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=gateway_pb2.TokenIds(ids=[5] * 6),
-                                                                 sampling=greedy(10, ignore_eos=True)),
-                                     timeout=30, metadata=(("x-api-key", KEYS["quinn"]),)))
+        list(
+            c.gateway.stub.Generate(
+                gateway_pb2.GenerateRequest(
+                    prompt_token_ids=gateway_pb2.TokenIds(ids=[5] * 6), sampling=greedy(10, ignore_eos=True)
+                ),
+                timeout=30,
+                metadata=(("x-api-key", KEYS["quinn"]),),
+            )
+        )
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "token rate" in info.value.details()
     assert float(dict(info.value.trailing_metadata())["retry-after"]) > 0
 
@@ -327,5 +420,7 @@ def test_a_token_rate_quota_answers_429_with_retry_after(cluster: Cluster) -> No
     status, _, out = http_json(c.gateway, "/v1/completions", body, headers=headers)
     assert status == 200, out
     assert out["usage"]["completion_tokens"] == 10
-    print(f"\ntoken-rate quota (4 tokens/s, burst 24): 429 with Retry-After: {retry_after} "
-          f"({error['message']!r}); served again after waiting it")
+    print(
+        f"\ntoken-rate quota (4 tokens/s, burst 24): 429 with Retry-After: {retry_after} "
+        f"({error['message']!r}); served again after waiting it"
+    )

@@ -20,7 +20,9 @@ def test_launch_builds_the_engine_on_the_engine_thread_and_serves(tiny_llama: Pa
 
     def build() -> LLMEngine:
         built_on.append(threading.current_thread().name)
-        return LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=1 << 20, num_threads=1))
+        return LLMEngine(
+            EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=1 << 20, num_threads=1)
+        )
 
     async def main() -> tuple[list[int], str]:
         aengine = await AsyncEngine.launch(build)

@@ -44,7 +44,9 @@ def test_norms_and_activation_match_torch(dtype: torch.dtype) -> None:
 def test_rope_and_cache_rotates_strided_views_and_fills_the_slots(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     t, h, kvh, d, bs, nb = 6, 4, 2, 16, 4, 8
-    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)  # q, k, v are strided views, as in the model
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(
+        dtype
+    )  # q, k, v are strided views, as in the model
     cos = torch.randn(32, d // 2, generator=g)
     sin = torch.randn(32, d // 2, generator=g)
     positions = torch.tensor([0, 5, 9, 10, 11, 31])
@@ -68,7 +70,9 @@ def test_rope_and_cache_rotates_strided_views_and_fills_the_slots(dtype: torch.d
     close(q_got, q_want, dtype)
     close(k_got, k_want, dtype)
     close(caches[0], caches[1], dtype)
-    assert caches[0][3, 0, 0].abs().sum() > 0 and caches[0][0].abs().sum() == 0  # written where told, only there
+    assert (
+        caches[0][3, 0, 0].abs().sum() > 0 and caches[0][0].abs().sum() == 0
+    )  # written where told, only there
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,8 +117,9 @@ def test_int8_linear_matches_its_dequantized_weights(dtype: torch.dtype, rows: i
     torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tol, rtol=tol)
     strided = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, ::2]  # a non-contiguous x is copied first
     want = strided.float() @ (q.float() * scales.float()[:, None]).T
-    torch.testing.assert_close(torch.ops.baton.int8_linear(strided, q, scales).float(), want.to(dtype).float(),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        torch.ops.baton.int8_linear(strided, q, scales).float(), want.to(dtype).float(), atol=tol, rtol=tol
+    )
 
 
 def test_int8_linear_refuses_what_it_cannot_multiply() -> None:
@@ -139,9 +144,12 @@ def test_the_torch_fallback_serves_when_the_kernels_are_off(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_mistral"])
-@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")])
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")]
+)
 def test_the_one_call_decode_stack_matches_the_python_layers(
-        family: str, dtype: str, quantization: str, request: pytest.FixtureRequest) -> None:
+    family: str, dtype: str, quantization: str, request: pytest.FixtureRequest
+) -> None:
     """`baton::decode_layers` (a decode-only step in one C++ call) against the per-layer Python forward,
     on the same decode batch: 5 sequences, contexts 1 to 40 (Mistral's 24-token window included)."""
     from engine.attention import AttentionMetadata
@@ -149,7 +157,9 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
     from engine.llm_engine import LLMEngine
 
     path = request.getfixturevalue(family)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, quantization=quantization, kv_cache_memory=8 << 20))
+    engine = LLMEngine(
+        EngineConfig(model=str(path), dtype=dtype, quantization=quantization, kv_cache_memory=8 << 20)
+    )
     model, runner = engine.runner.model, engine.runner
     assert model._decode_plan() is not None
     g = torch.Generator().manual_seed(3)
@@ -160,10 +170,14 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
     width = max(len(t) for t in tables)
     positions = torch.tensor([n - 1 for n in lens])
     meta = AttentionMetadata(
-        positions=positions, slot_blocks=torch.tensor([t[(n - 1) // bs] for t, n in zip(tables, lens, strict=True)]),
-        slot_offsets=positions % bs, num_decode_tokens=len(lens),
+        positions=positions,
+        slot_blocks=torch.tensor([t[(n - 1) // bs] for t, n in zip(tables, lens, strict=True)]),
+        slot_offsets=positions % bs,
+        num_decode_tokens=len(lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_ctx_lens=torch.tensor(lens), prefills=[])
+        decode_ctx_lens=torch.tensor(lens),
+        prefills=[],
+    )
     ids = torch.randint(3, model.config.vocab_size, (len(lens),), generator=g)
     with torch.inference_mode():
         fast = model(ids, meta, runner.kv_layers)
@@ -175,7 +189,8 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_mistral"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_steps_mixing_prompt_chunks_with_decodes_run_the_one_call_stack_alike(
-        family: str, dtype: str, request: pytest.FixtureRequest) -> None:
+    family: str, dtype: str, request: pytest.FixtureRequest
+) -> None:
     """Prompt chunks that arrive beside running decodes attend row by row in `baton::decode_layers`
     (engine.model_runner: small chunks only); the tokens and logprobs equal the per-layer Python path's."""
     from core.sampling_params import SamplingParams
@@ -188,8 +203,15 @@ def test_steps_mixing_prompt_chunks_with_decodes_run_the_one_call_stack_alike(
     prompts = {"early": list(range(5, 40)), "late-1": list(range(50, 61)), "late-2": list(range(70, 100))}
 
     def run(one_call: bool) -> tuple[dict[str, list[int]], dict[str, list[float]], int]:
-        engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, kv_cache_memory=8 << 20, long_prefill_chunk=8,
-                                        mixed_prefill_tokens=12))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(path),
+                dtype=dtype,
+                kv_cache_memory=8 << 20,
+                long_prefill_chunk=8,
+                mixed_prefill_tokens=12,
+            )
+        )
         if not one_call:
             engine.runner.model._plan = None
         mixed = 0
@@ -229,5 +251,6 @@ def test_steps_mixing_prompt_chunks_with_decodes_run_the_one_call_stack_alike(
         same = next((i for i, (a, b) in enumerate(zip(fast[rid], slow[rid], strict=True)) if a != b), 12)
         assert same >= 3, (rid, fast[rid], slow[rid])
         tol = 1e-4 if dtype == "float32" else 0.1
-        torch.testing.assert_close(torch.tensor(fast_lp[rid][:same]), torch.tensor(slow_lp[rid][:same]),
-                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(
+            torch.tensor(fast_lp[rid][:same]), torch.tensor(slow_lp[rid][:same]), atol=tol, rtol=tol
+        )

@@ -35,8 +35,10 @@ def test_capital_of_france(llm: LLM) -> None:
 
 
 def test_chat_answers_paris(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "Which city is the capital of France?"}],
-                   SamplingParams(max_tokens=32, temperature=0.0))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Which city is the capital of France?"}],
+        SamplingParams(max_tokens=32, temperature=0.0),
+    )[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop", "the chat turn ends on <|im_end|>"
     assert "<|im_end|>" not in out.text
@@ -49,8 +51,9 @@ def test_greedy_tokens_match_transformers(llm: LLM) -> None:
     ours = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32)
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert ours.token_ids == ref
 
 

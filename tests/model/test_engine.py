@@ -20,8 +20,10 @@ pytestmark = pytest.mark.model
 
 def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 380, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 380, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def test_batch_invariance_16_requests(tiny_llama: Path) -> None:
@@ -38,8 +40,10 @@ def test_batch_invariance_16_requests(tiny_llama: Path) -> None:
 def test_seeded_sampling_is_batch_independent(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), kv_cache_memory=16 << 20)
     batch = random_prompts(8, seed=1)
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
-              for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(8)
+    ]
     together = llm.generate(batch, params)
     assert llm.generate([batch[3]], params[3])[0].token_ids == together[3].token_ids
     assert llm.generate(batch[::-1], params[::-1])[4].token_ids == together[3].token_ids
@@ -51,8 +55,11 @@ def test_preemption_keeps_greedy_outputs_and_leaks_nothing(tiny_llama: Path) -> 
     big = LLM(str(tiny_llama), kv_cache_memory=16 << 20, dtype="float32").generate(batch, params)
 
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block_size * kv_heads * head_dim * fp32
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=16 * block_bytes, max_model_len=256,
-                                    dtype="float32"))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama), kv_cache_memory=16 * block_bytes, max_model_len=256, dtype="float32"
+        )
+    )
     assert engine.kv.num_blocks == 16, "16 blocks of 16 tokens: far too few for 12 requests at once"
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, params)
@@ -94,15 +101,25 @@ def test_stop_strings_and_stop_tokens(tiny_llama: Path) -> None:
     text = free_run.text
     assert len(text) > 6
     stop = text[3:6]
-    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
-    incl = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop],
-                                                 include_stop_str_in_output=True))[0]
+    incl = llm.generate(
+        [prompt],
+        SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+    )[0]
     assert incl.text == text[: text.index(stop) + len(stop)]
     # Streaming never shows a partial stop string.
-    streamed = "".join(o.new_text for o in llm.stream(prompt, SamplingParams(
-        max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])))
+    streamed = "".join(
+        o.new_text
+        for o in llm.stream(
+            prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+        )
+    )
     assert streamed == out.text
     tok = free_run.token_ids[5]
     by_id = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[tok]))[0]
@@ -117,8 +134,9 @@ def test_min_tokens_blocks_eos(tiny_llama: Path) -> None:
     prompt = [10, 20, 30, 40]
     free_run = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     eos = free_run.token_ids[2]  # pretend an early greedy token is a stop token
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, min_tokens=6, temperature=0.0,
-                                                 stop_token_ids=[eos]))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, min_tokens=6, temperature=0.0, stop_token_ids=[eos])
+    )[0]
     assert len(out.token_ids) >= 6
     assert eos not in out.token_ids[:5]
 
@@ -227,8 +245,9 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(tiny_llama: Path, 
     """Migration: another engine gets prompt + the tokens already sent and produces exactly the rest,
     seeded sampling and penalties included, without re-emitting text."""
     prompt = list(range(3, 40))
-    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, frequency_penalty=0.5,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, frequency_penalty=0.5, ignore_eos=True
+    )
     full = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20))
     full.add_request("r", prompt, params)
     stream = [o for _ in range(40) for o in full.step()]

@@ -55,7 +55,9 @@ def run_engine(
 
 def hf_reference(path: Path, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """HF logits at every position that predicts a generated token: [len(generated), V]."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     ids = torch.tensor([prompt + generated[:-1]])
     with torch.no_grad():
         out = model(ids).logits[0]
@@ -81,10 +83,17 @@ def test_logits_and_greedy_tokens_match_transformers(arch: str, request: pytest.
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_matches_one_shot(tiny_llama: Path, chunk: int) -> None:
     batch = prompts(2, [70, 9, 130], 380)
-    one_tokens, one_logits, _ = run_engine(tiny_llama, batch, max_tokens=4, max_num_batched_tokens=512,
-                                           long_prefill_chunk=512)
-    tokens, logits, engine = run_engine(tiny_llama, batch, max_tokens=4, max_num_seqs=4,
-                                        max_num_batched_tokens=max(chunk, 8), long_prefill_chunk=chunk)
+    one_tokens, one_logits, _ = run_engine(
+        tiny_llama, batch, max_tokens=4, max_num_batched_tokens=512, long_prefill_chunk=512
+    )
+    tokens, logits, engine = run_engine(
+        tiny_llama,
+        batch,
+        max_tokens=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=max(chunk, 8),
+        long_prefill_chunk=chunk,
+    )
     assert tokens == one_tokens
     for rid in one_logits:
         diff = (torch.stack(logits[rid]) - torch.stack(one_logits[rid])).abs().max().item()

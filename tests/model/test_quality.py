@@ -21,8 +21,11 @@ NUM_PROMPTS, NUM_POSITIONS = 64, 64
 @pytest.fixture(scope="module")
 def versions() -> dict[str, LLM]:
     kv = 64 << 20
-    return {"fp32": LLM(dtype="float32", kv_cache_memory=kv), "bf16": LLM(dtype="bfloat16", kv_cache_memory=kv),
-            "int8": LLM(dtype="bfloat16", quantization="int8", kv_cache_memory=kv)}
+    return {
+        "fp32": LLM(dtype="float32", kv_cache_memory=kv),
+        "bf16": LLM(dtype="bfloat16", kv_cache_memory=kv),
+        "int8": LLM(dtype="bfloat16", quantization="int8", kv_cache_memory=kv),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +39,9 @@ def agreement(versions: dict[str, LLM], name: str, seqs: list[list[int]], num_la
 
 
 @pytest.mark.parametrize(("name", "min_agreement"), [("bf16", 0.96), ("int8", 0.935)])
-def test_next_token_argmax_agrees_with_fp32(versions: dict[str, LLM], sequences: list[list[int]], name: str,
-                                            min_agreement: float) -> None:
+def test_next_token_argmax_agrees_with_fp32(
+    versions: dict[str, LLM], sequences: list[list[int]], name: str, min_agreement: float
+) -> None:
     a = agreement(versions, name, sequences, NUM_POSITIONS)  # the predictions of the 64 sampled tokens
     assert a.num_positions == NUM_PROMPTS * NUM_POSITIONS
     assert a.argmax_agreement >= min_agreement, a

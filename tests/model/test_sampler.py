@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from core.sampling_params import SamplingParams
-from engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_min_tokens,
-    apply_penalties,
-    draw_seed,
-    filtered_probs,
-)
+from engine.sampler import Sampler, SamplingRow, apply_min_tokens, apply_penalties, draw_seed, filtered_probs
 
 pytestmark = pytest.mark.model
 

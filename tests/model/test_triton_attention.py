@@ -21,8 +21,14 @@ NUM_LAYERS = 2
 LAYER = 1
 
 
-def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int = HEAD_DIM,
-                  dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int = HEAD_DIM,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of LAYER as the strided views the engine passes: kv_cache[:, layer, 0] and [:, layer, 1]."""
     gen = torch.Generator().manual_seed(seed)
     kv_cache = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=gen)
@@ -32,8 +38,9 @@ def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim:
     return k_cache, v_cache
 
 
-def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, dtype: torch.dtype,
-                      seed: int = 0) -> torch.Tensor:
+def make_block_tables(
+    seq_lens: list[int], block_size: int, num_blocks: int, dtype: torch.dtype, seed: int = 0
+) -> torch.Tensor:
     """Non-contiguous, shuffled blocks per sequence; padding holds random valid block ids."""
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [(n + block_size - 1) // block_size for n in seq_lens]
@@ -43,7 +50,7 @@ def make_block_tables(seq_lens: list[int], block_size: int, num_blocks: int, dty
     tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
     used = 0
     for seq, n in enumerate(blocks_needed):
-        tables[seq, :n] = free[used:used + n]
+        tables[seq, :n] = free[used : used + n]
         used += n
     return tables.to(dtype)
 
@@ -142,10 +149,9 @@ def test_empty_batch() -> None:
     assert out.shape == (0, 4, HEAD_DIM)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,match", [
-    (4, 2, 24, "head_dim"),
-    (5, 2, HEAD_DIM, "divisible"),
-])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,match", [(4, 2, 24, "head_dim"), (5, 2, HEAD_DIM, "divisible")]
+)
 def test_unsupported_shapes_raise(num_heads: int, num_kv_heads: int, head_dim: int, match: str) -> None:
     k_cache, v_cache = make_kv_cache(2, 16, num_kv_heads, head_dim=head_dim)
     q = torch.randn(1, num_heads, head_dim)

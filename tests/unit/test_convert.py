@@ -14,27 +14,32 @@ from baton.v1 import common_pb2
 from core.errors import CapacityExceeded, InvalidRequest, KVIncompatible, KVTransferFailed, ServingError
 from core.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
-from rpc.convert import (
-    handle_from_pb,
-    handle_to_pb,
-    layout_to_pb,
-    sampling_from_pb,
-    sampling_to_pb,
-)
+from rpc.convert import handle_from_pb, handle_to_pb, layout_to_pb, sampling_from_pb, sampling_to_pb
 from rpc.errors import as_serving_error, grpc_code
 
 pytestmark = pytest.mark.unit
 
 
 @given(
-    max_tokens=st.integers(1, 4096), temperature=st.sampled_from([0.0, 0.5, 1.3]), top_k=st.integers(-1, 50),
-    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)), stop=st.lists(st.text(min_size=1, max_size=5), max_size=3),
+    max_tokens=st.integers(1, 4096),
+    temperature=st.sampled_from([0.0, 0.5, 1.3]),
+    top_k=st.integers(-1, 50),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    stop=st.lists(st.text(min_size=1, max_size=5), max_size=3),
     logprobs=st.one_of(st.none(), st.integers(0, 5)),
 )
-def test_sampling_params_round_trip(max_tokens: int, temperature: float, top_k: int, seed: int | None,
-                                    stop: list[str], logprobs: int | None) -> None:
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                            stop=tuple(stop), logprobs=logprobs, stop_token_ids=(7, 9))
+def test_sampling_params_round_trip(
+    max_tokens: int, temperature: float, top_k: int, seed: int | None, stop: list[str], logprobs: int | None
+) -> None:
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop),
+        logprobs=logprobs,
+        stop_token_ids=(7, 9),
+    )
     assert sampling_from_pb(sampling_to_pb(params)) == params
 
 

@@ -14,13 +14,22 @@ pytestmark = pytest.mark.unit
 PLAN = DisaggPlan()
 
 
-def trace(name: str, gaps_s: list[float], sent_at: float = 0.0, ttft_s: float = 0.1, kind: str = "short",
-          tokens: list[int] | None = None, sizes: list[int] | None = None) -> Trace:
+def trace(
+    name: str,
+    gaps_s: list[float],
+    sent_at: float = 0.0,
+    ttft_s: float = 0.1,
+    kind: str = "short",
+    tokens: list[int] | None = None,
+    sizes: list[int] | None = None,
+) -> Trace:
     arrivals = [sent_at + ttft_s]
     for g in gaps_s:
         arrivals.append(arrivals[-1] + g)
     sizes = sizes or [1] * len(arrivals)
-    return Trace(name, kind, sent_at, arrivals, sizes, tokens or list(range(sum(sizes))), done_at=arrivals[-1])
+    return Trace(
+        name, kind, sent_at, arrivals, sizes, tokens or list(range(sum(sizes))), done_at=arrivals[-1]
+    )
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -92,9 +101,17 @@ def test_setups_pin_disaggregated_workers_to_separate_cores() -> None:
     assert colocated.workers[0].cores == (0, 1) and colocated.workers[0].threads == 2
     commands = disagg.commands(PLAN.kv_cache_memory)
     assert commands[0].startswith("taskset -c 0 python -m services.cli worker --role prefill")
-    assert "--local-prefill-threshold 256" in commands[2] and "--prefill-workers 127.0.0.1:$PREFILL_PORT" in commands[2]
-    assert "--long-prefill-chunk 8192 --max-num-batched-tokens 8192" in colocated.commands(PLAN.kv_cache_memory)[0]
-    assert "--long-prefill-chunk 256 --max-num-batched-tokens 512" in chunked.commands(PLAN.kv_cache_memory)[0]
+    assert (
+        "--local-prefill-threshold 256" in commands[2]
+        and "--prefill-workers 127.0.0.1:$PREFILL_PORT" in commands[2]
+    )
+    assert (
+        "--long-prefill-chunk 8192 --max-num-batched-tokens 8192"
+        in colocated.commands(PLAN.kv_cache_memory)[0]
+    )
+    assert (
+        "--long-prefill-chunk 256 --max-num-batched-tokens 512" in chunked.commands(PLAN.kv_cache_memory)[0]
+    )
     assert pinned(["python", "-V"], None) == "python -V"
 
 
@@ -102,13 +119,16 @@ def _results(disagg_stall_s: float) -> tuple[list[SetupResult], OfflineResult]:
     def run(stall_s: float) -> list[Trace]:
         # 2 of the 100 ITL samples are the stall, so p99 is the stall
         return [trace(f"short{i}", [0.1] * 49 + [stall_s], tokens=[i] * 51) for i in range(2)] + [
-            trace("long0", [0.1], ttft_s=4.0, kind="long", tokens=[9, 9])]
+            trace("long0", [0.1], ttft_s=4.0, kind="long", tokens=[9, 9])
+        ]
 
     disagg, colocated, chunked = setups(PLAN, (0, 1))
     burst = [trace("burst0-short0", [0.1] * 9, tokens=[5] * 10)]
-    results = [SetupResult(disagg, run(disagg_stall_s), others_cpu_pct=1.0),
-               SetupResult(colocated, run(5.0), others_cpu_pct=2.0),
-               SetupResult(chunked, run(0.6), bursts=[burst], burst_others_cpu_pct=[0.5])]
+    results = [
+        SetupResult(disagg, run(disagg_stall_s), others_cpu_pct=1.0),
+        SetupResult(colocated, run(5.0), others_cpu_pct=2.0),
+        SetupResult(chunked, run(0.6), bursts=[burst], burst_others_cpu_pct=[0.5]),
+    ]
     offline = OfflineResult(walls_s=[1.0], token_ids=[[[5] * 10]], others_cpu_pct=[0.0], command="python …")
     return results, offline
 
@@ -119,7 +139,9 @@ def test_render_states_both_goals() -> None:
     assert text.startswith("## Disaggregation: decode latency under long prompts\n")
     assert "2/2 short, 1/1 long" in text and "(reference)" in text
     assert "colocated without chunking: **met**" in text
-    assert "gateway >= 0.85x the offline engine: **met** (10.0 ÷ 10.0 = 1.00x)" in text  # 10 tokens in 1 s each
+    assert (
+        "gateway >= 0.85x the offline engine: **met** (10.0 ÷ 10.0 = 1.00x)" in text
+    )  # 10 tokens in 1 s each
     assert "Same greedy tokens through the gateway as offline: 1/1." in text
     assert "Caution" not in text
 

@@ -34,13 +34,19 @@ class FakeTokenizer:
 
 
 def validator(max_model_len: int = 64) -> RequestValidator:
-    return RequestValidator(cast(Any, FakeTokenizer()), ModelInfo("m", "v1", max_model_len, 128),
-                            Limits(None, 32, 100), ThreadPoolExecutor(1))
+    return RequestValidator(
+        cast(Any, FakeTokenizer()),
+        ModelInfo("m", "v1", max_model_len, 128),
+        Limits(None, 32, 100),
+        ThreadPoolExecutor(1),
+    )
 
 
 def test_text_that_is_not_unicode_is_refused_by_name() -> None:
     check_unicode("prompt", "héllo ✓")
-    with pytest.raises(InvalidRequest, match=r"prompt is not valid Unicode: an unpaired surrogate U\+D800 at character 1"):
+    with pytest.raises(
+        InvalidRequest, match=r"prompt is not valid Unicode: an unpaired surrogate U\+D800 at character 1"
+    ):
         check_unicode("prompt", "a\ud800b")
     v = validator()
     with pytest.raises(InvalidRequest, match="prompt is not valid Unicode"):
@@ -56,22 +62,29 @@ def test_chats_need_messages_with_roles() -> None:
         v.tokenize(GenerationRequest(SamplingParams(), messages=()))
     with pytest.raises(InvalidRequest, match=r"messages\[0\].role must be a non-empty string"):
         v.tokenize(GenerationRequest(SamplingParams(), messages=({"role": "", "content": "hi"},)))
-    assert v.tokenize(GenerationRequest(SamplingParams(), messages=({"role": "user", "content": "hi"},))) == [1, 4, 5]
+    assert v.tokenize(GenerationRequest(SamplingParams(), messages=({"role": "user", "content": "hi"},))) == [
+        1,
+        4,
+        5,
+    ]
 
 
 def test_limits_fill_and_seed() -> None:
     v = validator()
     params = v.check_limits(10, GenerationRequest(SamplingParams(max_tokens=4)))
     assert params.seed is not None and params.max_tokens == 4  # seeded by the gateway
-    assert v.check_limits(40, GenerationRequest(SamplingParams(), max_tokens_to_context=True)).max_tokens == 24
+    assert (
+        v.check_limits(40, GenerationRequest(SamplingParams(), max_tokens_to_context=True)).max_tokens == 24
+    )
     with pytest.raises(ContextLengthExceeded):
         v.check_limits(60, GenerationRequest(SamplingParams(max_tokens=8)))
     assert request_id_problem("abc-1") is None and request_id_problem("a b") is not None
 
 
 def test_undecodable_grpc_messages_name_the_field_and_keep_the_request_id() -> None:
-    generate = gateway_pb2.GenerateRequest(request_id="r1", prompt="AAAA",
-                                           sampling=common_pb2.SamplingParams(stop=["ZZ"]))
+    generate = gateway_pb2.GenerateRequest(
+        request_id="r1", prompt="AAAA", sampling=common_pb2.SamplingParams(stop=["ZZ"])
+    )
     decode = lenient_deserializer(gateway_pb2.GenerateRequest)
     assert decode(generate.SerializeToString()) == generate
     bad = decode(generate.SerializeToString().replace(b"AAAA", b"A\xff\xfeA"))
@@ -83,11 +96,19 @@ def test_undecodable_grpc_messages_name_the_field_and_keep_the_request_id() -> N
     assert isinstance(garbage, Undecodable) and garbage.request_id == ""
     assert "not a valid baton.v1.GenerateRequest message" in garbage.error.message
 
-    chat = gateway_pb2.SessionRequest(generate=gateway_pb2.GenerateRequest(
-        request_id="r2", messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="QQ")])))
+    chat = gateway_pb2.SessionRequest(
+        generate=gateway_pb2.GenerateRequest(
+            request_id="r2",
+            messages=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="QQ")]),
+        )
+    )
     bad = lenient_deserializer(gateway_pb2.SessionRequest)(chat.SerializeToString().replace(b"QQ", b"\x80Q"))
     assert isinstance(bad, Undecodable) and bad.request_id == "r2"
     assert "generate.messages.messages[0].content is not valid UTF-8" in bad.error.message
     cancel = gateway_pb2.CancelRequest(request_id="XX").SerializeToString().replace(b"XX", b"X\xff")
     bad = lenient_deserializer(gateway_pb2.CancelRequest)(cancel)
-    assert isinstance(bad, Undecodable) and bad.request_id == "" and "request_id is not valid" in bad.error.message
+    assert (
+        isinstance(bad, Undecodable)
+        and bad.request_id == ""
+        and "request_id is not valid" in bad.error.message
+    )

@@ -19,51 +19,82 @@ pytestmark = pytest.mark.unit
 
 
 def test_completion_fields_become_sampling_params() -> None:
-    call = parse_completion({
-        "model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "stop": "\n", "seed": 3,
-        "presence_penalty": 0.1, "frequency_penalty": -0.1, "top_k": 5, "min_p": 0.1, "min_tokens": 2,
-        "repetition_penalty": 1.1, "ignore_eos": True, "logprobs": 2, "user": "u", "logit_bias": {}, "n": 1,
-        "stream": True, "stream_options": {"include_usage": True},
-    }, "rid-1")
+    call = parse_completion(
+        {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "stop": "\n",
+            "seed": 3,
+            "presence_penalty": 0.1,
+            "frequency_penalty": -0.1,
+            "top_k": 5,
+            "min_p": 0.1,
+            "min_tokens": 2,
+            "repetition_penalty": 1.1,
+            "ignore_eos": True,
+            "logprobs": 2,
+            "user": "u",
+            "logit_bias": {},
+            "n": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        "rid-1",
+    )
     p = call.request.params
-    assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed, p.top_k, p.min_tokens) == (7, 0, 0.5, ("\n",), 3, 5, 2)
+    assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed, p.top_k, p.min_tokens) == (
+        7,
+        0,
+        0.5,
+        ("\n",),
+        3,
+        5,
+        2,
+    )
     assert p.ignore_eos and p.logprobs == 2 and call.logprobs == 2
     assert call.request.prompt == "hi" and call.request.request_id == "rid-1" and call.request.model == "m"
     assert call.stream and call.include_usage and not call.chat
     assert not call.request.max_tokens_to_context
 
 
-@pytest.mark.parametrize("prompt, text, ids", [
-    ("abc", "abc", None), (["abc"], "abc", None), ([1, 2, 3], None, (1, 2, 3)), ([[4, 5]], None, (4, 5)),
-])
+@pytest.mark.parametrize(
+    "prompt, text, ids",
+    [("abc", "abc", None), (["abc"], "abc", None), ([1, 2, 3], None, (1, 2, 3)), ([[4, 5]], None, (4, 5))],
+)
 def test_completion_prompt_forms(prompt: object, text: str | None, ids: tuple[int, ...] | None) -> None:
     call = parse_completion({"prompt": prompt})
     assert call.request.prompt == text and call.request.prompt_token_ids == ids
     assert call.request.params.max_tokens == 16  # OpenAI's default for completions
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"prompt": "a", "n": 2}, "n is not supported"),
-    ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "bogus": 1, "zzz": 2}, "unknown field(s): bogus, zzz"),
-    ({"prompt": ""}, "prompt must not be empty"),
-    ({"prompt": []}, "prompt must not be empty"),
-    ({}, "prompt is required"),
-    ({"prompt": ["a", "b"]}, "one prompt per request"),
-    ({"prompt": 5}, "prompt must be a string or a list of token ids"),
-    ({"prompt": "a", "max_tokens": -1}, "max_tokens must be >= 1"),
-    ({"prompt": "a", "max_tokens": "9"}, "max_tokens must be an integer"),
-    ({"prompt": "a", "temperature": 500}, "temperature must be in"),
-    ({"prompt": "a", "temperature": "hot"}, "temperature must be a number"),
-    ({"prompt": "a", "stop": 5}, "stop must be a list of str"),
-    ({"prompt": "a", "stop": [1]}, "stop must contain only str"),
-    ({"prompt": "a", "stream": "yes"}, "stream must be a boolean"),
-    ({"prompt": "a", "stream_options": {"include_usage": True}}, "only allowed with stream: true"),
-    ({"prompt": "a", "model": 3}, "model must be a string"),
-    ({"prompt": "a", "logprobs": 99}, "logprobs must be in"),
-    ([1, 2], "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"prompt": "a", "n": 2}, "n is not supported"),
+        ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "bogus": 1, "zzz": 2}, "unknown field(s): bogus, zzz"),
+        ({"prompt": ""}, "prompt must not be empty"),
+        ({"prompt": []}, "prompt must not be empty"),
+        ({}, "prompt is required"),
+        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": 5}, "prompt must be a string or a list of token ids"),
+        ({"prompt": "a", "max_tokens": -1}, "max_tokens must be >= 1"),
+        ({"prompt": "a", "max_tokens": "9"}, "max_tokens must be an integer"),
+        ({"prompt": "a", "temperature": 500}, "temperature must be in"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature must be a number"),
+        ({"prompt": "a", "stop": 5}, "stop must be a list of str"),
+        ({"prompt": "a", "stop": [1]}, "stop must contain only str"),
+        ({"prompt": "a", "stream": "yes"}, "stream must be a boolean"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "only allowed with stream: true"),
+        ({"prompt": "a", "model": 3}, "model must be a string"),
+        ({"prompt": "a", "logprobs": 99}, "logprobs must be in"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
 def test_completion_rejects(body: object, needle: str) -> None:
     with pytest.raises(InvalidRequest, match=None) as info:
         parse_completion(body)
@@ -71,30 +102,42 @@ def test_completion_rejects(body: object, needle: str) -> None:
 
 
 def test_chat_messages_max_tokens_and_logprobs() -> None:
-    call = parse_chat({
-        "messages": [{"role": "system", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 9, "max_tokens": 100, "logprobs": True, "top_logprobs": 3,
-    })
-    assert call.chat and call.request.messages == ({"role": "system", "content": "be brief"},
-                                                   {"role": "user", "content": "ab"})
+    call = parse_chat(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+            "max_completion_tokens": 9,
+            "max_tokens": 100,
+            "logprobs": True,
+            "top_logprobs": 3,
+        }
+    )
+    assert call.chat and call.request.messages == (
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    )
     assert call.request.params.max_tokens == 9 and call.logprobs == 3
     unbounded = parse_chat({"messages": [{"role": "user", "content": "x"}], "min_tokens": 40})
     assert unbounded.request.max_tokens_to_context and unbounded.logprobs is None
     assert unbounded.request.params.max_tokens >= 40
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"messages": []}, "messages must be a non-empty list"),
-    ({"messages": "hi"}, "messages must be a non-empty list"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content must be a string"),
-    ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "unknown field(s): tool_calls"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "requires logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs must be a boolean"),
-    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s): prompt"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"messages": []}, "messages must be a non-empty list"),
+        ({"messages": "hi"}, "messages must be a non-empty list"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content must be a string"),
+        ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "unknown field(s): tool_calls"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "requires logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs must be a boolean"),
+        ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s): prompt"),
+    ],
+)
 def test_chat_rejects(body: object, needle: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_chat(body)
@@ -116,11 +159,17 @@ def test_response_shapes() -> None:
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "ab"} and choice["finish_reason"] == "length"
     assert choice["logprobs"]["content"][0] == {
-        "token": "<5>", "logprob": -0.5, "bytes": list(b"<5>"), "top_logprobs": [
-            {"token": "<5>", "logprob": -0.5, "bytes": list(b"<5>")}],
+        "token": "<5>",
+        "logprob": -0.5,
+        "bytes": list(b"<5>"),
+        "top_logprobs": [{"token": "<5>", "logprob": -0.5, "bytes": list(b"<5>")}],
     }
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 2}}
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     completion = parse_completion({"prompt": "x", "logprobs": 1})
     legacy = response_json(completion, "r", "m", 1, delta, FINISHED, _text)["choices"][0]
     assert legacy["text"] == "ab" and legacy["logprobs"]["tokens"] == ["<5>", "<6>"]
@@ -133,8 +182,13 @@ def test_chunks_carry_usage_last() -> None:
     assert opener["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "usage" not in opener
     last = chunk_json(plain, "r", "m", 1, None, FINISHED, _text)
     assert last["choices"][0]["delta"] == {} and last["usage"]["total_tokens"] == 7
-    asked = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
-                        "stream_options": {"include_usage": True}})
+    asked = parse_chat(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert chunk_json(asked, "r", "m", 1, Delta([1], "a"), None, _text)["usage"] is None
     tail = usage_chunk_json(asked, "r", "m", 1, FINISHED.usage)
     assert tail["choices"] == [] and tail["usage"]["completion_tokens"] == 3
@@ -144,9 +198,20 @@ def test_chunks_carry_usage_last() -> None:
 
 def test_error_json() -> None:
     body = error_json(InvalidRequest("max_tokens must be >= 1, got -1"))["error"]
-    assert body == {"message": "max_tokens must be >= 1, got -1", "type": "invalid_request_error",
-                    "param": "max_tokens", "code": None}
-    assert error_json(ContextLengthExceeded("the prompt (5 tokens) ..."))["error"]["code"] == "context_length_exceeded"
+    assert body == {
+        "message": "max_tokens must be >= 1, got -1",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": None,
+    }
+    assert (
+        error_json(ContextLengthExceeded("the prompt (5 tokens) ..."))["error"]["code"]
+        == "context_length_exceeded"
+    )
     missing = error_json(ModelNotFound("model 'x' is not served here"))["error"]
-    assert missing["type"] == "model_not_found" and missing["code"] == "model_not_found" and missing["param"] == "model"
+    assert (
+        missing["type"] == "model_not_found"
+        and missing["code"] == "model_not_found"
+        and missing["param"] == "model"
+    )
     assert error_json(InvalidRequest("unknown field(s): foo"))["error"]["param"] is None

@@ -61,13 +61,18 @@ def test_scheduler_errors_keep_their_status() -> None:
     from services.gateway.router import scheduler_error
 
     class FakeError(grpc.aio.AioRpcError):  # type: ignore[misc]
-        def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        def __init__(
+            self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+        ) -> None:
             super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
-    assert isinstance(scheduler_error(FakeError(grpc.StatusCode.UNAUTHENTICATED, "invalid API key"), "s"),
-                      Unauthenticated)
+    assert isinstance(
+        scheduler_error(FakeError(grpc.StatusCode.UNAUTHENTICATED, "invalid API key"), "s"), Unauthenticated
+    )
     assert isinstance(scheduler_error(FakeError(grpc.StatusCode.NOT_FOUND, "no model"), "s"), ModelNotFound)
-    busy = scheduler_error(FakeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", (("retry-after", "2.5"),)), "s")
+    busy = scheduler_error(
+        FakeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", (("retry-after", "2.5"),)), "s"
+    )
     assert isinstance(busy, CapacityExceeded) and busy.retry_after_s == 2.5 and busy.http_status == 429
     down = scheduler_error(FakeError(grpc.StatusCode.UNAVAILABLE, "Redis is down"), "s:1")
     assert isinstance(down, Unavailable) and down.http_status == 503
@@ -155,10 +160,21 @@ def test_stream_error_after_deltas() -> None:
 def test_flags_are_the_config_fields() -> None:
     parser = argparse.ArgumentParser()
     add_gateway_parser(parser.add_subparsers())
-    args = parser.parse_args([
-        "gateway", "--decode-workers", "127.0.0.1:1,127.0.0.1:2", "--prefill-workers", "h:3",
-        "--max-prompt-tokens", "100", "--local-prefill-threshold", "0", "--grpc-port", "0",
-    ])
+    args = parser.parse_args(
+        [
+            "gateway",
+            "--decode-workers",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--prefill-workers",
+            "h:3",
+            "--max-prompt-tokens",
+            "100",
+            "--local-prefill-threshold",
+            "0",
+            "--grpc-port",
+            "0",
+        ]
+    )
     config = GatewayConfig.from_args(args)
     assert config.decode_workers == ("127.0.0.1:1", "127.0.0.1:2") and config.prefill_workers == ("h:3",)
     assert config.max_prompt_tokens == 100 and config.local_prefill_threshold == 0 and config.grpc_port == 0
@@ -190,5 +206,8 @@ def test_http_errors_carry_retry_after_and_the_openai_body() -> None:
     assert response.status == 429
     assert response.headers["Retry-After"] == "3" and response.headers["X-Request-Id"] == "r1"
     assert json.loads(response.body)["error"] == {  # type: ignore[arg-type]
-        "message": "the KV cache is full", "type": "rate_limit_error", "param": None, "code": None,
+        "message": "the KV cache is full",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": None,
     }

@@ -38,8 +38,14 @@ class FakeWorkers:
 
 
 def dispatcher(alive: frozenset[str] = frozenset({"p", "d"}), max_migrations: int = 2) -> Dispatcher:
-    return Dispatcher(cast(Any, None), ModelInfo("m", "v1", 512, 384), Limits(None, 100, 100, max_migrations),
-                      StaticRouter(["p"], ["d"]), cast(Any, FakeWorkers(set(alive))), cast(Any, None))
+    return Dispatcher(
+        cast(Any, None),
+        ModelInfo("m", "v1", 512, 384),
+        Limits(None, 100, 100, max_migrations),
+        StaticRouter(["p"], ["d"]),
+        cast(Any, FakeWorkers(set(alive))),
+        cast(Any, None),
+    )
 
 
 def job(stage: str, worker: str, sent: int = 0) -> _Job:
@@ -94,10 +100,15 @@ def test_a_decode_worker_that_dies_mid_stream_is_migrated_from() -> None:
     assert retry(dispatcher(), j, lost("d")) and j.migrations == 0 and j.retries == 1
 
 
-@pytest.mark.parametrize("error", [
-    InvalidRequest("bad"), CapacityExceeded("full"), Unavailable("prefill worker returned no first token"),
-    ServingError("internal error"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidRequest("bad"),
+        CapacityExceeded("full"),
+        Unavailable("prefill worker returned no first token"),
+        ServingError("internal error"),
+    ],
+)
 def test_errors_that_are_not_a_lost_worker_end_the_request(error: ServingError) -> None:
     for stage, sent in (("prefill", 0), ("transfer", 1), ("decode", 5)):
         assert not retry(dispatcher(), job(stage, "d", sent), error)

@@ -91,8 +91,9 @@ class FakeDecode:
     """A worker's Decode stream: one token per message, each after ``delay_s`` (with ``top`` as each
     token's top logprobs, when given)."""
 
-    def __init__(self, tokens: list[int], delay_s: float, fail: bool = False,
-                 top: dict[int, float] | None = None) -> None:
+    def __init__(
+        self, tokens: list[int], delay_s: float, fail: bool = False, top: dict[int, float] | None = None
+    ) -> None:
         self.tokens, self.delay_s, self.fail, self.top = tokens, delay_s, fail, top
         self.cancelled = False
         self.request: worker_pb2.DecodeRequest | None = None
@@ -105,10 +106,14 @@ class FakeDecode:
             await asyncio.sleep(self.delay_s)
             delta = common_pb2.TokenDelta(token_ids=[t])
             if self.top is not None:
-                delta.logprobs.append(common_pb2.TokenLogprob(token_id=t, logprob=self.top.get(t, -9.0), top=self.top))
+                delta.logprobs.append(
+                    common_pb2.TokenLogprob(token_id=t, logprob=self.top.get(t, -9.0), top=self.top)
+                )
             yield worker_pb2.DecodeResponse(delta=delta)
         if self.fail:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom"
+            )
         yield worker_pb2.DecodeResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
     def cancel(self) -> bool:
@@ -137,17 +142,23 @@ class FakeWorkers:
 
 
 def request(rid: str = "r") -> ShadowRequest:
-    return ShadowRequest(rid, [1, 2, 3], SamplingParams(max_tokens=4, seed=7), "salt", "w2:1", "v2", "v1", "m")
+    return ShadowRequest(
+        rid, [1, 2, 3], SamplingParams(max_tokens=4, seed=7), "salt", "w2:1", "v2", "v1", "m"
+    )
 
 
 def count(outcome: str) -> float:
-    return metrics.REGISTRY.get_sample_value("baton_gateway_shadow_requests_total", {"outcome": outcome}) or 0.0
+    return (
+        metrics.REGISTRY.get_sample_value("baton_gateway_shadow_requests_total", {"outcome": outcome}) or 0.0
+    )
 
 
 def agreement() -> tuple[float, float]:
     get = metrics.REGISTRY.get_sample_value
-    return (get("baton_gateway_shadow_agreement_sum", PAIR) or 0.0,
-            get("baton_gateway_shadow_agreement_count", PAIR) or 0.0)
+    return (
+        get("baton_gateway_shadow_agreement_sum", PAIR) or 0.0,
+        get("baton_gateway_shadow_agreement_count", PAIR) or 0.0,
+    )
 
 
 def test_a_shadow_is_compared_with_what_the_client_got() -> None:
@@ -243,13 +254,21 @@ def test_each_comparison_is_reported_per_version_pair() -> None:
 
     async def main() -> None:
         workers = FakeWorkers(FakeDecode([5, 6, 0], 0.001, top=other))
-        run = ShadowTraffic(cast(Any, workers), max_in_flight=1, timeout_s=5, report=reports.append).start(request())
+        run = ShadowTraffic(cast(Any, workers), max_in_flight=1, timeout_s=5, report=reports.append).start(
+            request()
+        )
         assert run is not None
         run.primary_finished(PrimaryResult([5, 6, 7], 0.010, 0.030, [top, top, top]))
         await asyncio.wait([run.task], timeout=5)
 
-    before = {n: get(n, PAIR) or 0.0 for n in ("baton_gateway_shadow_positions_total",
-                                               "baton_gateway_shadow_top1_agreed_total", "baton_gateway_shadow_kl_nats_count")}
+    before = {
+        n: get(n, PAIR) or 0.0
+        for n in (
+            "baton_gateway_shadow_positions_total",
+            "baton_gateway_shadow_top1_agreed_total",
+            "baton_gateway_shadow_kl_nats_count",
+        )
+    }
     asyncio.run(main())
     [r] = reports
     assert (r.model, r.primary_version, r.shadow_version, r.identical) == ("m", "v1", "v2", False)
@@ -258,6 +277,12 @@ def test_each_comparison_is_reported_per_version_pair() -> None:
     assert r.kl_sum == pytest.approx(3 * next_token_kl(top, other))
     assert r.primary_ttft_ms == pytest.approx(10.0) and r.primary_itl_ms == pytest.approx(10.0)
     assert r.shadow_ttft_ms > 0 and r.shadow_itl_ms > 0
-    assert get("baton_gateway_shadow_positions_total", PAIR) == before["baton_gateway_shadow_positions_total"] + 3
-    assert get("baton_gateway_shadow_top1_agreed_total", PAIR) == before["baton_gateway_shadow_top1_agreed_total"]
+    assert (
+        get("baton_gateway_shadow_positions_total", PAIR)
+        == before["baton_gateway_shadow_positions_total"] + 3
+    )
+    assert (
+        get("baton_gateway_shadow_top1_agreed_total", PAIR)
+        == before["baton_gateway_shadow_top1_agreed_total"]
+    )
     assert get("baton_gateway_shadow_kl_nats_count", PAIR) == before["baton_gateway_shadow_kl_nats_count"] + 1

@@ -19,8 +19,14 @@ pytestmark = pytest.mark.unit
 BLOCK_BYTES = 737_280
 
 
-def length(num_tokens: int, prefill_s: float, pull_s: dict[str, float], descriptors: int = 1,
-           per_block_s: float | None = None, failed: str | None = None) -> LengthResult:
+def length(
+    num_tokens: int,
+    prefill_s: float,
+    pull_s: dict[str, float],
+    descriptors: int = 1,
+    per_block_s: float | None = None,
+    failed: str | None = None,
+) -> LengthResult:
     n = blocks_for(num_tokens)
     pulls = []
     for b in BACKENDS:
@@ -29,8 +35,9 @@ def length(num_tokens: int, prefill_s: float, pull_s: dict[str, float], descript
         if b == failed:
             merged = PullStats(b, False, descriptors, error="puller: KVTransferFailed: boom | bang")
         pulls += [merged, single]
-    return LengthResult(num_tokens, n, n * BLOCK_BYTES, prefill_s, [0.01, 0.01, 0.02], pulls,
-                        {b: 12 for b in BACKENDS})
+    return LengthResult(
+        num_tokens, n, n * BLOCK_BYTES, prefill_s, [0.01, 0.01, 0.02], pulls, {b: 12 for b in BACKENDS}
+    )
 
 
 def render(results: list[LengthResult]) -> str:

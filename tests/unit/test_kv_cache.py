@@ -205,8 +205,9 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+TestCacheMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=16), min_size=1, max_size=12))

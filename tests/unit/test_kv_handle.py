@@ -11,7 +11,9 @@ from kv_transfer.handle import KVLayout, block_runs
 
 pytestmark = pytest.mark.unit
 
-LAYOUT = KVLayout(model_digest="abc", dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+LAYOUT = KVLayout(
+    model_digest="abc", dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64
+)
 
 
 def test_block_bytes_of_the_default_model() -> None:
@@ -20,8 +22,9 @@ def test_block_bytes_of_the_default_model() -> None:
 
 def test_compatible_layouts_pass_and_differences_are_named() -> None:
     LAYOUT.check_compatible(KVLayout("abc", "float32", 16, 30, 3, 64))
-    other = KVLayout(model_digest="xyz", dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3,
-                     head_dim=64)
+    other = KVLayout(
+        model_digest="xyz", dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64
+    )
     assert other.compat_hash != LAYOUT.compat_hash
     with pytest.raises(KVIncompatible) as e:
         LAYOUT.check_compatible(other)
@@ -46,8 +49,13 @@ def test_runs_cover_the_mapping_exactly(pairs: list[tuple[int, int]]) -> None:
 
 @pytest.mark.parametrize(
     ("src", "dst", "match"),
-    [([0, 1], [0], "2 source blocks but 1"), ([-1], [0], "source block id"), ([8], [0], "source block id"),
-     ([0], [-2], "destination block id"), ([0], [4], "destination block id")],
+    [
+        ([0, 1], [0], "2 source blocks but 1"),
+        ([-1], [0], "source block id"),
+        ([8], [0], "source block id"),
+        ([0], [-2], "destination block id"),
+        ([0], [4], "destination block id"),
+    ],
 )
 def test_pull_block_ids_are_checked_on_both_sides(src: list[int], dst: list[int], match: str) -> None:
     from core.errors import KVTransferFailed

@@ -13,12 +13,32 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-OURS = {"core", "engine", "kv_transfer", "rpc", "scheduler", "prefill_worker", "decode_worker", "services", "baton",
-        "loadgen", "benchmarks"}
-ROLE = {"core", "engine", "kv_transfer", "rpc", "baton",
-        # the worker shell's lower half, which the role handlers are built on (not its server)
-        "services.worker.shell", "services.worker.metrics", "services.worker.config", "services.worker.membership",
-        "scheduler.cancel"}  # the cancellation bus: the scheduler publishes, every worker listens
+OURS = {
+    "core",
+    "engine",
+    "kv_transfer",
+    "rpc",
+    "scheduler",
+    "prefill_worker",
+    "decode_worker",
+    "services",
+    "baton",
+    "loadgen",
+    "benchmarks",
+}
+ROLE = {
+    "core",
+    "engine",
+    "kv_transfer",
+    "rpc",
+    "baton",
+    # the worker shell's lower half, which the role handlers are built on (not its server)
+    "services.worker.shell",
+    "services.worker.metrics",
+    "services.worker.config",
+    "services.worker.membership",
+    "scheduler.cancel",
+}  # the cancellation bus: the scheduler publishes, every worker listens
 # package (a folder) → the packages or modules of ours it may import (itself always)
 ALLOWED = {
     "core": set(),
@@ -44,8 +64,10 @@ def imports(package: str) -> dict[str, set[str]]:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 # `from pkg import mod` imports pkg.mod when mod is a module of ours
-                names = [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}") else node.module
-                         for a in node.names]
+                names = [
+                    f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}") else node.module
+                    for a in node.names
+                ]
             else:
                 names = []
             for name in names:
@@ -65,20 +87,30 @@ def _within(name: str, allowed: str) -> bool:
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_a_layer_imports_only_the_layers_below_it(package: str) -> None:
     found = imports(package)
-    wrong = {name: files for name, files in found.items()
-             if name.split(".")[0] in OURS and not _within(name, package)
-             and not any(_within(name, a) for a in ALLOWED[package])}
+    wrong = {
+        name: files
+        for name, files in found.items()
+        if name.split(".")[0] in OURS
+        and not _within(name, package)
+        and not any(_within(name, a) for a in ALLOWED[package])
+    }
     assert not wrong, f"{package} may import {sorted(ALLOWED[package]) or 'none of ours'}; found {wrong}"
 
 
 def test_every_product_package_has_its_rule() -> None:
-    folders = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in ROOT.glob("*/**/__init__.py")
-               if p.relative_to(ROOT).parts[0] in OURS - {"baton"}}
+    folders = {
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        for p in ROOT.glob("*/**/__init__.py")
+        if p.relative_to(ROOT).parts[0] in OURS - {"baton"}
+    }
     ruled = {f for f in folders if any(_within(f, a) for a in ALLOWED)}
     assert folders - ruled <= {"services", "benchmarks", "proto"}, sorted(folders - ruled)
 
 
 def test_core_imports_only_the_standard_library() -> None:
-    outside = {name: files for name, files in imports("core").items()
-               if name.split(".")[0] != "core" and name.split(".")[0] not in sys.stdlib_module_names}
+    outside = {
+        name: files
+        for name, files in imports("core").items()
+        if name.split(".")[0] != "core" and name.split(".")[0] not in sys.stdlib_module_names
+    }
     assert not outside, f"core must stay pure Python on the standard library; found {outside}"

@@ -72,8 +72,11 @@ class MockOpenAIServer:
         await response.prepare(request)
 
         async def send(choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> None:
-            chunk = {"object": "chat.completion.chunk" if chat else "text_completion",
-                     "choices": [choice] if choice else [], "usage": usage}
+            chunk = {
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "choices": [choice] if choice else [],
+                "usage": usage,
+            }
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         if chat:  # a role opener at once carries no token: it must not count as the first one
@@ -85,8 +88,11 @@ class MockOpenAIServer:
                 await asyncio.sleep(ITL_S)
             text = f" t{i}"
             await send({"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text})
-        await send({"index": 0, "delta": {}, "finish_reason": "length"} if chat
-                   else {"index": 0, "text": "", "finish_reason": "length"})
+        await send(
+            {"index": 0, "delta": {}, "finish_reason": "length"}
+            if chat
+            else {"index": 0, "text": "", "finish_reason": "length"}
+        )
         if body.get("stream_options", {}).get("include_usage"):
             await send(None, {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n})
         await response.write(b"data: [DONE]\n\n")
@@ -113,11 +119,36 @@ def test_measures_the_servers_known_delays_and_writes_json_table_and_plots(
     server: MockOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result_file, plots = tmp_path / "peer.json", tmp_path / "plots"
-    code = main(["run", "--target", server.url, "--num-requests", "8", "--input-len", "16",
-                 "--output-len", "8", "--arrival", "constant", "--rate", "40", "--warmup", "2",
-                 "--slo", "ttft:500,itl:200",
-                 "--percentiles", "50,99", "--result-file", str(result_file), "--plot-dir", str(plots),
-                 "--label", "mock", "--no-progress"])
+    code = main(
+        [
+            "run",
+            "--target",
+            server.url,
+            "--num-requests",
+            "8",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--arrival",
+            "constant",
+            "--rate",
+            "40",
+            "--warmup",
+            "2",
+            "--slo",
+            "ttft:500,itl:200",
+            "--percentiles",
+            "50,99",
+            "--result-file",
+            str(result_file),
+            "--plot-dir",
+            str(plots),
+            "--label",
+            "mock",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table and "P99 ITL (ms):" in table
@@ -148,10 +179,33 @@ def test_chat_with_tenants_sends_each_tenants_key_and_counts_errors_by_kind(
 ) -> None:
     server.keys.clear()
     result_file = tmp_path / "chat.json"
-    code = main(["run", "--target", server.url + "/v1", "--endpoint", "chat", "--num-requests", "12",
-                 "--output-len", "3", "--arrival", "closed", "--concurrency", "4", "--tenant", "a:0.5:sk-a",
-                 "--tenant", f"b:0.5:{DENIED_KEY}", "--ignore-eos", "--seed", "3",
-                 "--result-file", str(result_file), "--no-progress"])
+    code = main(
+        [
+            "run",
+            "--target",
+            server.url + "/v1",
+            "--endpoint",
+            "chat",
+            "--num-requests",
+            "12",
+            "--output-len",
+            "3",
+            "--arrival",
+            "closed",
+            "--concurrency",
+            "4",
+            "--tenant",
+            "a:0.5:sk-a",
+            "--tenant",
+            f"b:0.5:{DENIED_KEY}",
+            "--ignore-eos",
+            "--seed",
+            "3",
+            "--result-file",
+            str(result_file),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     result = json.loads(result_file.read_text())
     assert result["backend"] == "openai-chat" and result["max_concurrency"] == 4
@@ -166,8 +220,25 @@ def test_chat_with_tenants_sends_each_tenants_key_and_counts_errors_by_kind(
 
 def test_chat_ttft_ignores_the_role_opener(server: MockOpenAIServer, tmp_path: Path) -> None:
     result_file = tmp_path / "chat.json"
-    assert main(["run", "--target", server.url, "--endpoint", "chat", "--num-requests", "3",
-                 "--output-len", "2", "--result-file", str(result_file), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--target",
+                server.url,
+                "--endpoint",
+                "chat",
+                "--num-requests",
+                "3",
+                "--output-len",
+                "2",
+                "--result-file",
+                str(result_file),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     result = json.loads(result_file.read_text())
     assert result["completed"] == 3 and result["mean_ttft_ms"] >= TTFT_S * 1000 * 0.95
 
@@ -180,9 +251,24 @@ def test_unreachable_target_exits_2_with_one_line_and_no_traceback(server: MockO
         port = s.getsockname()[1]
     for target in (f"http://127.0.0.1:{port}", f"grpc://127.0.0.1:{port}"):
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "loadgen", "run", "--target", target,
-                               "--num-requests", "2", "--connect-timeout", "5"],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "loadgen",
+                "run",
+                "--target",
+                target,
+                "--num-requests",
+                "2",
+                "--connect-timeout",
+                "5",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"loadgen: error: cannot reach {target}"), proc.stderr
@@ -191,9 +277,29 @@ def test_unreachable_target_exits_2_with_one_line_and_no_traceback(server: MockO
 
 def test_closed_loop_for_a_duration_with_warmup_seconds(server: MockOpenAIServer, tmp_path: Path) -> None:
     result_file = tmp_path / "closed.json"
-    assert main(["run", "--target", server.url, "--arrival", "closed", "--concurrency", "3",
-                 "--duration", "0.4", "--warmup", "0.1s", "--output-len", "2",
-                 "--result-file", str(result_file), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--target",
+                server.url,
+                "--arrival",
+                "closed",
+                "--concurrency",
+                "3",
+                "--duration",
+                "0.4",
+                "--warmup",
+                "0.1s",
+                "--output-len",
+                "2",
+                "--result-file",
+                str(result_file),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     result = json.loads(result_file.read_text())
     # each request takes ~TTFT_S + ITL_S = 75 ms, three at a time: ~16 in 0.4 s, then the last ones finish
     assert result["loadgen"]["num_warmup"] >= 3 and 6 <= result["completed"] <= 24 and result["failed"] == 0
@@ -203,8 +309,25 @@ def test_closed_loop_for_a_duration_with_warmup_seconds(server: MockOpenAIServer
 
 def test_a_request_over_its_timeout_fails_as_timeout(server: MockOpenAIServer, tmp_path: Path) -> None:
     result_file = tmp_path / "timeout.json"
-    assert main(["run", "--target", server.url, "--num-requests", "2", "--output-len", "2",
-                 "--request-timeout", "0.02", "--result-file", str(result_file), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--target",
+                server.url,
+                "--num-requests",
+                "2",
+                "--output-len",
+                "2",
+                "--request-timeout",
+                "0.02",
+                "--result-file",
+                str(result_file),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     result = json.loads(result_file.read_text())
     assert result["errors_by_kind"] == {"timeout": 2} and result["completed"] == 0
     assert result["errors"] == ["no complete response within 0.02 s"] * 2
@@ -214,8 +337,25 @@ def test_extra_body_fields_reach_the_server(server: MockOpenAIServer, tmp_path: 
     """--extra-body merges a server's own fields into every request (how the peer benchmark forces
     llama.cpp's output length with min_tokens); here a field the strict mock server knows."""
     server.bodies.clear()
-    code = main(["run", "--target", server.url, "--num-requests", "3", "--output-len", "2", "--arrival", "closed",
-                 "--concurrency", "1", "--extra-body", '{"temperature": 0.25}', "--no-progress",
-                 "--result-file", str(tmp_path / "r.json")])
+    code = main(
+        [
+            "run",
+            "--target",
+            server.url,
+            "--num-requests",
+            "3",
+            "--output-len",
+            "2",
+            "--arrival",
+            "closed",
+            "--concurrency",
+            "1",
+            "--extra-body",
+            '{"temperature": 0.25}',
+            "--no-progress",
+            "--result-file",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert code == 0 and len(server.bodies) == 3
     assert all(body["temperature"] == 0.25 for body in server.bodies)

@@ -14,25 +14,76 @@ from loadgen.results import RunInfo, build_result, meets_slo, parse_percentiles,
 
 pytestmark = pytest.mark.unit
 
-INFO = RunInfo(date="20250101-000000", backend="openai", model_id="m", tokenizer_id=None, request_rate=4.0,
-               burstiness=1.0, max_concurrency=None)
+INFO = RunInfo(
+    date="20250101-000000",
+    backend="openai",
+    model_id="m",
+    tokenizer_id=None,
+    request_rate=4.0,
+    burstiness=1.0,
+    max_concurrency=None,
+)
 # Every field vLLM's `bench serve` writes for these options (the per-percentile ones follow the choice).
 VLLM_FIELDS = {
-    "date", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
-    "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
-    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-    "max_output_tokens_per_s", "max_concurrent_requests", "input_lens", "output_lens", "ttfts", "itls",
-    "generated_texts", "errors",
-    *(f"{stat}_{metric}_ms" for stat in ("mean", "median", "std", "p50", "p99", "p99.9")
-      for metric in ("ttft", "tpot", "itl", "e2el")),
+    "date",
+    "backend",
+    "label",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "generated_texts",
+    "errors",
+    *(
+        f"{stat}_{metric}_ms"
+        for stat in ("mean", "median", "std", "p50", "p99", "p99.9")
+        for metric in ("ttft", "tpot", "itl", "e2el")
+    ),
 }
 
 
-def _record(index: int, start: float, chunks: list[float], end: float, tokens: int | None = None,
-            error: str = "", kind: str = "", warmup: bool = False, **kw: object) -> RequestRecord:
-    r = RequestRecord(index, prompt_len=10, max_tokens=8, warmup=warmup, start=start, end=end,
-                      chunk_times=chunks, chunk_tokens=[1] * len(chunks), generated_text="x" * len(chunks),
-                      output_tokens=tokens, error=error, error_kind=kind)
+def _record(
+    index: int,
+    start: float,
+    chunks: list[float],
+    end: float,
+    tokens: int | None = None,
+    error: str = "",
+    kind: str = "",
+    warmup: bool = False,
+    **kw: object,
+) -> RequestRecord:
+    r = RequestRecord(
+        index,
+        prompt_len=10,
+        max_tokens=8,
+        warmup=warmup,
+        start=start,
+        end=end,
+        chunk_times=chunks,
+        chunk_tokens=[1] * len(chunks),
+        generated_text="x" * len(chunks),
+        output_tokens=tokens,
+        error=error,
+        error_kind=kind,
+    )
     for name, value in kw.items():
         setattr(r, name, value)
     return r
@@ -80,12 +131,23 @@ def test_per_request_lists_and_errors(records: list[RequestRecord]) -> None:
     assert result["e2els"] == pytest.approx([0.3, 0.2, 0.0, 0.0]) and result["start_times"][0] == 0.0
 
 
-@pytest.mark.parametrize(("slo", "good"), [
-    ("ttft:150", 1), ("ttft:250", 2), ("tpot:99", 1), ("tpot:100", 2), ("itl:60", 1), ("itl:100", 2),
-    ("e2e:250", 1), ("e2el:300,ttft:100", 1), ("ttft:50", 0),
-])
-def test_goodput_counts_requests_that_meet_every_slo(records: list[RequestRecord], slo: str,
-                                                     good: int) -> None:
+@pytest.mark.parametrize(
+    ("slo", "good"),
+    [
+        ("ttft:150", 1),
+        ("ttft:250", 2),
+        ("tpot:99", 1),
+        ("tpot:100", 2),
+        ("itl:60", 1),
+        ("itl:100", 2),
+        ("e2e:250", 1),
+        ("e2el:300,ttft:100", 1),
+        ("ttft:50", 0),
+    ],
+)
+def test_goodput_counts_requests_that_meet_every_slo(
+    records: list[RequestRecord], slo: str, good: int
+) -> None:
     result = build_result(records, INFO, slo=parse_slo(slo))
     assert result["request_goodput"] == pytest.approx(good / 0.4)
     assert meets_slo(records[1], {"tpot": 1.0}), "one token: TPOT counts as 0, as vLLM does"
@@ -101,8 +163,14 @@ def test_field_names_are_vllms_and_the_extras_are_apart(records: list[RequestRec
 
 
 def test_baton_segments_cached_tokens_and_tenants(records: list[RequestRecord]) -> None:
-    timings = {"queue_ms": 1.0, "prefill_ms": 20.0, "transfer_ms": 5.0, "decode_ms": 150.0, "ttft_ms": 90.0,
-               "e2e_ms": 290.0}
+    timings = {
+        "queue_ms": 1.0,
+        "prefill_ms": 20.0,
+        "transfer_ms": 5.0,
+        "decode_ms": 150.0,
+        "ttft_ms": 90.0,
+        "e2e_ms": 290.0,
+    }
     records[0].server_timings = timings
     records[1].server_timings = {**timings, "ttft_ms": 190.0}
     records[0].cached_tokens, records[1].cached_tokens = 16, 0
@@ -145,11 +213,24 @@ def test_percentiles_parse_and_refuse() -> None:
 
 
 def test_console_table(records: list[RequestRecord]) -> None:
-    records[0].server_timings = {"queue_ms": 1.0, "prefill_ms": 2.0, "transfer_ms": 3.0, "decode_ms": 4.0,
-                                 "ttft_ms": 5.0, "e2e_ms": 6.0}
+    records[0].server_timings = {
+        "queue_ms": 1.0,
+        "prefill_ms": 2.0,
+        "transfer_ms": 3.0,
+        "decode_ms": 4.0,
+        "ttft_ms": 5.0,
+        "e2e_ms": 6.0,
+    }
     table = format_table(build_result(records, INFO, (50, 95), {"ttft": 150.0}), (50, 95))
-    for line in ("Successful requests:                     2", "Failed requests:                         2",
-                 "Request goodput (req/s):", "Mean TTFT (ms):                          150.00",
-                 "P95 ITL (ms):", "Mean TPOT (ms):                          100.00", "Baton segments",
-                 "http:500:", "prefill_ms"):
+    for line in (
+        "Successful requests:                     2",
+        "Failed requests:                         2",
+        "Request goodput (req/s):",
+        "Mean TTFT (ms):                          150.00",
+        "P95 ITL (ms):",
+        "Mean TPOT (ms):                          100.00",
+        "Baton segments",
+        "http:500:",
+        "prefill_ms",
+    ):
         assert line in table, line

@@ -104,9 +104,13 @@ def test_text_prompts_re_encode_to_about_the_drawn_length(tokenizer: Tokenizer) 
 
 def test_long_short_mix_and_tenant_shares_follow_the_configuration() -> None:
     config = WorkloadConfig(
-        input_len=LengthSpec(8, 8), output_len=LengthSpec(4, 4), long_share=0.2,
-        long_input_len=LengthSpec(64, 64), long_output_len=LengthSpec(32, 32),
-        tenants=(Tenant("quiet", 1, "sk-quiet"), Tenant("flood", 3, "")), api_key="sk-default",
+        input_len=LengthSpec(8, 8),
+        output_len=LengthSpec(4, 4),
+        long_share=0.2,
+        long_input_len=LengthSpec(64, 64),
+        long_output_len=LengthSpec(32, 32),
+        tenants=(Tenant("quiet", 1, "sk-quiet"), Tenant("flood", 3, "")),
+        api_key="sk-default",
     )
     workload = Workload(config, None, ids_ok=False)
     specs = [workload.sample(i) for i in range(4000)]
@@ -127,20 +131,31 @@ def _sharegpt(tmp_path: Path, data: object) -> Path:
     return path
 
 
-def test_sharegpt_takes_the_first_human_turn_and_the_gpt_turns_length(tmp_path: Path,
-                                                                      tokenizer: Tokenizer) -> None:
+def test_sharegpt_takes_the_first_human_turn_and_the_gpt_turns_length(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
     answer = "The quick brown fox jumps over the lazy dog. " * 2
-    path = _sharegpt(tmp_path, [
-        {"id": "a", "conversations": [
-            {"from": "system", "value": "be nice"}, {"from": "human", "value": "Hi there"},
-            {"from": "gpt", "value": answer}, {"from": "human", "value": "more"},
-        ]},
-        {"id": "no-pair", "conversations": [{"from": "human", "value": "alone"}]},
-        {"id": "empty", "conversations": []},
-        {"id": "no-conversations"},
-        {"id": "b", "conversations": [{"from": "human", "value": "x" * 40},
-                                      {"from": "gpt", "value": "y" * 20}]},
-    ])
+    path = _sharegpt(
+        tmp_path,
+        [
+            {
+                "id": "a",
+                "conversations": [
+                    {"from": "system", "value": "be nice"},
+                    {"from": "human", "value": "Hi there"},
+                    {"from": "gpt", "value": answer},
+                    {"from": "human", "value": "more"},
+                ],
+            },
+            {"id": "no-pair", "conversations": [{"from": "human", "value": "alone"}]},
+            {"id": "empty", "conversations": []},
+            {"id": "no-conversations"},
+            {
+                "id": "b",
+                "conversations": [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "y" * 20}],
+            },
+        ],
+    )
     with_tokens = load_sharegpt(path, tokenizer)
     assert [c.prompt for c in with_tokens] == ["Hi there", "x" * 40]
     assert with_tokens[0].output_len == len(tokenizer.encode(answer, add_special_tokens=False))
@@ -148,21 +163,26 @@ def test_sharegpt_takes_the_first_human_turn_and_the_gpt_turns_length(tmp_path: 
     assert (estimated[1].prompt_len, estimated[1].output_len) == (10, 5), "four characters a token"
     assert [c.prompt for c in load_sharegpt(path, None, max_total_len=20)] == ["x" * 40], "2 + 23 tokens > 20"
 
-    specs = [Workload(WorkloadConfig(dataset="sharegpt", dataset_path=path), None, ids_ok=True).sample(i)
-             for i in range(4)]
+    specs = [
+        Workload(WorkloadConfig(dataset="sharegpt", dataset_path=path), None, ids_ok=True).sample(i)
+        for i in range(4)
+    ]
     assert {s.prompt for s in specs} == {"Hi there", "x" * 40}
     assert all(s.prompt_token_ids is None for s in specs), "ShareGPT prompts are text"
     forced = WorkloadConfig(dataset="sharegpt", dataset_path=path, output_len=LengthSpec(7, 7))
     assert Workload(forced, None, ids_ok=True).sample(0).output_len == 7
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("{not json", "not JSON"),
-    ('{"conversations": []}', "expected a JSON list"),
-    ('[1, 2]', "entry 0 is int"),
-    ('[{"conversations": [{"from": "gpt", "value": "a"}]}]', "no usable conversation"),
-    ("[]", "no usable conversation"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not JSON"),
+        ('{"conversations": []}', "expected a JSON list"),
+        ("[1, 2]", "entry 0 is int"),
+        ('[{"conversations": [{"from": "gpt", "value": "a"}]}]', "no usable conversation"),
+        ("[]", "no usable conversation"),
+    ],
+)
 def test_malformed_sharegpt_files_are_clear_errors(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -182,8 +202,9 @@ def test_missing_or_binary_dataset_files_are_clear_errors(tmp_path: Path) -> Non
 # --- arrivals ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "burstiness"),
-                         [("poisson", 1.0), ("gamma", 0.5), ("gamma", 4.0), ("constant", 1.0)])
+@pytest.mark.parametrize(
+    ("kind", "burstiness"), [("poisson", 1.0), ("gamma", 0.5), ("gamma", 4.0), ("constant", 1.0)]
+)
 def test_arrival_processes_have_the_asked_mean_rate(kind: str, burstiness: float) -> None:
     gaps = list(islice(arrival_gaps(kind, 20.0, burstiness, seed=3), 20000))
     assert 1 / statistics.fmean(gaps) == pytest.approx(20.0, rel=0.03)

@@ -50,7 +50,9 @@ def documented() -> dict[str, Documented]:
     return out
 
 
-def defined(registry: CollectorRegistry, objects: list[MetricWrapperBase]) -> dict[str, tuple[str, tuple[str, ...]]]:
+def defined(
+    registry: CollectorRegistry, objects: list[MetricWrapperBase]
+) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Family name → (type, label names) of everything a registry exposes: the label names of the
     metric objects given (whose series may not exist yet), else those of the family's first sample."""
     labels = {m._name: tuple(m._labelnames) for m in objects}
@@ -93,7 +95,9 @@ def test_every_metric_defined_is_documented_with_its_type_and_labels_and_vice_ve
             own = tuple(x for x in labels if x not in identity and x != "le")
             assert own == doc.labels, f"{doc.name}: documented labels {doc.labels}, defined {own}"
             if doc.type == "histogram":
-                assert doc.unit in ("seconds", "ratio", "nats") and doc.name.endswith(("_seconds", "agreement", "_nats"))
+                assert doc.unit in ("seconds", "ratio", "nats") and doc.name.endswith(
+                    ("_seconds", "agreement", "_nats")
+                )
             if doc.unit in ("seconds", "nats"):
                 assert doc.name.endswith(f"_{doc.unit}"), doc.name
     worker_families = components["baton_worker_"][0]
@@ -107,11 +111,19 @@ def test_the_dashboard_queries_only_documented_metrics_and_shows_the_key_ones() 
     names = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"baton_\w+", e)}
     docs = documented()
     assert names <= set(docs), f"not in docs/METRICS.md: {sorted(names - set(docs))}"
-    for key in ("baton_gateway_ttft_seconds", "baton_gateway_itl_seconds", "baton_gateway_e2e_seconds",
-                "baton_gateway_requests_total", "baton_worker_kv_blocks_used", "baton_worker_prefix_cache_hits_total",
-                "baton_worker_kv_transfer_bytes_total", "baton_scheduler_leases_active",
-                "baton_scheduler_decision_seconds", "baton_gateway_generation_tokens_total",
-                "baton_gateway_decode_seconds"):
+    for key in (
+        "baton_gateway_ttft_seconds",
+        "baton_gateway_itl_seconds",
+        "baton_gateway_e2e_seconds",
+        "baton_gateway_requests_total",
+        "baton_worker_kv_blocks_used",
+        "baton_worker_prefix_cache_hits_total",
+        "baton_worker_kv_transfer_bytes_total",
+        "baton_scheduler_leases_active",
+        "baton_scheduler_decision_seconds",
+        "baton_gateway_generation_tokens_total",
+        "baton_gateway_decode_seconds",
+    ):
         assert key in names, f"the dashboard does not show {key}"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["title"]
@@ -121,7 +133,15 @@ def test_the_dashboard_queries_only_documented_metrics_and_shows_the_key_ones() 
 
 def test_a_bounded_label_keeps_the_first_values_and_folds_the_rest() -> None:
     label = rpc_metrics.BoundedLabel(2)
-    assert [label(t) for t in ("a", "b", "c", "a", "", "d", "b")] == ["a", "b", "other", "a", "none", "other", "b"]
+    assert [label(t) for t in ("a", "b", "c", "a", "", "d", "b")] == [
+        "a",
+        "b",
+        "other",
+        "a",
+        "none",
+        "other",
+        "b",
+    ]
     assert rpc_metrics.BoundedLabel(0)("a") == "other"
 
 

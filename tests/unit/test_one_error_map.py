@@ -11,8 +11,17 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("core", "engine", "kv_transfer", "rpc", "scheduler", "services", "prefill_worker", "decode_worker",
-           "loadgen")
+PRODUCT = (
+    "core",
+    "engine",
+    "kv_transfer",
+    "rpc",
+    "scheduler",
+    "services",
+    "prefill_worker",
+    "decode_worker",
+    "loadgen",
+)
 THE_MAP = {"rpc/errors.py"}
 FORBIDDEN = {
     "a gRPC status code named": re.compile(r"\bStatusCode\s*(\.|\[)"),
@@ -20,7 +29,8 @@ FORBIDDEN = {
     "trailing metadata set by hand": re.compile(r"\bset_trailing_metadata\("),
     "a RequestError built by hand": re.compile(r"\bRequestError\("),
     "an error recognised by its text": re.compile(
-        r"""["'][^"']*["']\s+(not\s+)?in\s+[\w.]*(details\(\)|message|str\(e\w*\))"""),
+        r"""["'][^"']*["']\s+(not\s+)?in\s+[\w.]*(details\(\)|message|str\(e\w*\))"""
+    ),
 }
 
 

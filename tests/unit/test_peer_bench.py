@@ -12,8 +12,17 @@ pytestmark = pytest.mark.unit
 
 def point(rate: float, good_share: float, failed: int = 0, n: int = 40) -> Point:
     duration = n / rate
-    return Point(rate, result={"num_prompts": n, "failed": failed, "completed": n - failed, "duration": duration,
-                               "request_goodput": good_share * n / duration, "output_throughput": 10.0})
+    return Point(
+        rate,
+        result={
+            "num_prompts": n,
+            "failed": failed,
+            "completed": n - failed,
+            "duration": duration,
+            "request_goodput": good_share * n / duration,
+            "output_throughput": 10.0,
+        },
+    )
 
 
 def test_a_rate_is_sustained_when_nine_in_ten_meet_the_slo_and_none_fail() -> None:
@@ -28,12 +37,26 @@ def test_a_rate_is_sustained_when_nine_in_ten_meet_the_slo_and_none_fail() -> No
 def test_the_verdict_is_baton_over_the_best_peer_and_names_missing_peers() -> None:
     machine = MachineInfo.probe(num_threads=2)
     baton, tf, llama = (System(name, [], 0, []) for name in ("Baton", "transformers", "llama.cpp"))
-    text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95)]),
-                                   (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
+    text = render(
+        machine,
+        "cmd",
+        [
+            (baton, [point(0.5, 1.0), point(1.5, 0.95)]),
+            (tf, [point(0.5, 0.2)]),
+            (llama, [point(0.25, 1.0), point(0.5, 0.6)]),
+        ],
+    )
     assert "Baton's best ÷ best peer, loose SLO: **6.00×** (goal ≥ 2×: **met** on this grid of rates)" in text
     assert "ratio lies between" not in text  # Baton's sweep never failed: no upper bound to state
-    text = render(machine, "cmd", [(baton, [point(0.5, 1.0), point(1.5, 0.95), point(2.0, 0.3)]),
-                                   (tf, [point(0.5, 0.2)]), (llama, [point(0.25, 1.0), point(0.5, 0.6)])])
+    text = render(
+        machine,
+        "cmd",
+        [
+            (baton, [point(0.5, 1.0), point(1.5, 0.95), point(2.0, 0.3)]),
+            (tf, [point(0.5, 0.2)]),
+            (llama, [point(0.25, 1.0), point(0.5, 0.6)]),
+        ],
+    )
     assert "**6.00×**" in text and "the ratio lies between 3.00× and 8.00×" in text
     llama.missing = "not installed (`make peers`)"
     text = render(machine, "cmd", [(baton, [point(0.5, 1.0)]), (tf, [point(0.25, 1.0)]), (llama, [])])

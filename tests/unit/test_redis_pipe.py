@@ -141,8 +141,21 @@ def test_the_url_names_the_database(redis_server: RedisServer, redis_client: red
 
 def test_a_unix_socket_url(tmp_path: Path) -> None:
     socket_path = tmp_path / "redis.sock"
-    proc = subprocess.Popen([redis_binary(), "--port", "0", "--unixsocket", str(socket_path), "--save", "",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            redis_binary(),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(socket_path),
+            "--save",
+            "",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         while not socket_path.exists():
@@ -166,6 +179,7 @@ def test_callers_during_an_outage_share_one_connection_attempt() -> None:
     """A partitioned network (connects that hang until their timeout) cannot be made on this machine:
     `_open` is replaced by one that takes 0.3 s to fail. 20 callers then fail together after one
     attempt, not one after another (20 × 0.3 s); one caller giving up does not end the attempt."""
+
     class Partitioned(RedisPipe):
         attempts = 0
 

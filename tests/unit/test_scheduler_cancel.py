@@ -15,8 +15,6 @@ from scheduler.cancel import CancellationBus
 pytestmark = pytest.mark.unit
 
 
-
-
 class Received:
     """Collects (request_id, reason) from a listener; `wait_for` polls briefly instead of sleeping long."""
 
@@ -114,8 +112,9 @@ def test_a_listener_cut_off_alone_replays_what_it_missed(url: str, caplog: pytes
     run(url, body, clients=2)
 
 
-def test_a_listener_survives_a_redis_outage(url: str, redis_server: Any,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_a_listener_survives_a_redis_outage(
+    url: str, redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger="scheduler.cancel")
 
     async def body(r: aioredis.Redis) -> None:

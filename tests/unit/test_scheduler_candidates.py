@@ -43,8 +43,16 @@ def run(url: str, body: Any) -> None:
 
 
 async def register(s: SchedulerServicer, address: str, free: int, held: list[str]) -> None:
-    record = pb.WorkerRecord(address=address, role="decode", model="m", version=VERSION, num_blocks=1000,
-                             block_size=BLOCK, max_model_len=4096, kv_backend="nixl")
+    record = pb.WorkerRecord(
+        address=address,
+        role="decode",
+        model="m",
+        version=VERSION,
+        num_blocks=1000,
+        block_size=BLOCK,
+        max_model_len=4096,
+        kv_backend="nixl",
+    )
     load = pb.WorkerLoad(free_blocks=free, running=1, waiting=0)
     await s.RegisterWorker(pb.RegisterWorkerRequest(worker=record, load=load), NoContext())
     await s.Heartbeat(pb.HeartbeatRequest(address=address, load=load, cached_block_hashes=held), NoContext())
@@ -77,8 +85,12 @@ def test_hits_count_leading_blocks_and_placements_count_until_a_later_load(url: 
         assert placed["b:1"] is by["b:1"]  # the others are kept as they were
         # ...until a load c measured IN_TRANSIT_S after it arrives: that load includes the request.
         await asyncio.sleep(IN_TRANSIT_S * 1.5)
-        await s.Heartbeat(pb.HeartbeatRequest(address="c:1", load_only=True, load=pb.WorkerLoad(
-            free_blocks=690, running=2, waiting=0)), NoContext())
+        await s.Heartbeat(
+            pb.HeartbeatRequest(
+                address="c:1", load_only=True, load=pb.WorkerLoad(free_blocks=690, running=2, waiting=0)
+            ),
+            NoContext(),
+        )
         later = {c.address: c for c in (await s.decider.pools("m", VERSION, chain))[0]}
         assert (later["c:1"].free_blocks, later["c:1"].running, later["c:1"].waiting) == (690, 2, 0)
 
@@ -99,8 +111,10 @@ def test_what_is_kept_per_worker_is_forgotten_once_the_worker_is_gone(url: str) 
         # b stops heartbeating; a keeps on. Past the heartbeat timeout b leaves the registry.
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            await s.Heartbeat(pb.HeartbeatRequest(address="a:1", load_only=True, load=pb.WorkerLoad(
-                free_blocks=900)), NoContext())
+            await s.Heartbeat(
+                pb.HeartbeatRequest(address="a:1", load_only=True, load=pb.WorkerLoad(free_blocks=900)),
+                NoContext(),
+            )
             await asyncio.sleep(0.05)
         await s.registry.sweep()
         s.snapshot.invalidate()
@@ -113,6 +127,7 @@ def test_what_is_kept_per_worker_is_forgotten_once_the_worker_is_gone(url: str) 
 
 def test_finishes_read_their_tenant_at_most_once_a_second(url: str) -> None:
     """A Finish needs its tenant's limits to refund; like a key's tenant, they are remembered for 1 s."""
+
     async def body(s: SchedulerServicer) -> None:
         tenant = TenantConfig("solo", max_concurrent=8)
         await s.tenants.add_tenant(tenant)
@@ -128,8 +143,9 @@ def test_finishes_read_their_tenant_at_most_once_a_second(url: str) -> None:
         for i in range(3):
             await s.quota.admit(tenant, f"r{i}", 10, 4, 1)
         for i in range(3):
-            await s._finish(pb.FinishRequest(request_id=f"r{i}", tenant="solo", prompt_tokens=10,
-                                             completion_tokens=4))
+            await s._finish(
+                pb.FinishRequest(request_id=f"r{i}", tenant="solo", prompt_tokens=10, completion_tokens=4)
+            )
         assert reads == 1 and (await s.quota.usage(tenant)).concurrent == 0
         await s._finish(pb.FinishRequest(request_id="x", tenant="nobody"))  # an unknown tenant: nothing to do
         assert reads == 2

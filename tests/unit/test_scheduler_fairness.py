@@ -85,6 +85,7 @@ def test_a_heavy_tenant_that_comes_and_goes_never_overtakes_a_waiting_light_one(
     empties now and then although it never stops sending). Each time it joins it must line up after
     the light request, keeping a burst's credit of its surplus, not forgiven it; and a light burst goes
     before it."""
+
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=512)
@@ -101,7 +102,13 @@ def test_a_heavy_tenant_that_comes_and_goes_never_overtakes_a_waiting_light_one(
         clock.now += 0.2
         for i in range(4, 8):
             await q.enqueue(A, f"a{i}", 96, 60)  # ...and a light burst arrives
-        assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(5)] == ["a4", "a5", "a6", "a7", "b4"]
+        assert [(await q.pop_next() or pytest.fail()).request_id for _ in range(5)] == [
+            "a4",
+            "a5",
+            "a6",
+            "a7",
+            "b4",
+        ]
 
     run(url, body)
 
@@ -111,6 +118,7 @@ def test_credit_goes_to_a_tenant_that_asked_for_less_recently_than_the_next_wait
     waiter's joins up to the whole burst credit below it; one that asked for more recently joins a hair
     below it (plain VTC's lift), even if its counter lags; a tenant that never sent a request has no
     record and no credit."""
+
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=300)
@@ -123,7 +131,9 @@ def test_credit_goes_to_a_tenant_that_asked_for_less_recently_than_the_next_wait
         assert await q.counter("a") == pytest.approx(1000 - 300)  # lifted, less the credit
         await q.remove("a0")
         clock.now += 3 * DEMAND_HALF_LIFE_S  # b's recent demand is 150 now, a's 13.75...
-        await q.charge(A, 200)  # ...and a is admitted for 200: its counter (900) lags b's, its demand does not
+        await q.charge(
+            A, 200
+        )  # ...and a is admitted for 200: its counter (900) lags b's, its demand does not
         await q.enqueue(A, "a1", 10, 60)
         assert await q.counter("a") == pytest.approx(1000 - TIE)
         await q.enqueue(C, "c0", 10, 60)  # never sent a request: no credit against a, the next waiter
@@ -131,10 +141,12 @@ def test_credit_goes_to_a_tenant_that_asked_for_less_recently_than_the_next_wait
 
     run(url, body)
 
+
 def test_a_flood_that_just_began_does_not_take_a_light_tenants_turns(url: str) -> None:
     """A light tenant had the cluster to itself (much service, little demand); a flood begins and has
     been served little so far. Demand, not service, decides the credit: the light tenant's next request
     goes after at most the flood's next one, not behind a burst credit's worth of them."""
+
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=512)
@@ -156,6 +168,7 @@ def test_light_means_asking_for_less_than_half_of_another_waiting_tenants_demand
     """`is_light`: demand is a rate — a flood a moment old is heavy at once, a light tenant's history
     keeps it light, comparable tenants are not light, and a tenant back after a long silence starts a
     new history."""
+
     async def body(r: aioredis.Redis) -> None:
         clock = Clock()
         q = FairQueue(r, clock=clock, burst_credit_tokens=512)
@@ -278,8 +291,11 @@ def test_bounds_per_tenant_and_global(url: str) -> None:
         small = TenantConfig("a", max_queue_depth=2)
         await q.enqueue(small, "a0", 1, 60)
         await q.enqueue(small, "a1", 1, 60)
-        with pytest.raises(CapacityExceeded, match=r"tenant 'a' already has 2 requests waiting "
-                                                   r"\(max_queue_depth=2\)") as e:
+        with pytest.raises(
+            CapacityExceeded,
+            match=r"tenant 'a' already has 2 requests waiting "
+            r"\(max_queue_depth=2\)",
+        ) as e:
             await q.enqueue(small, "a2", 1, 60)
         assert e.value.retry_after_s == 2.0 and e.value.http_status == 429
         await q.enqueue(B, "b0", 1, 60)
@@ -353,8 +369,13 @@ def test_queues_with_different_names_are_independent(url: str) -> None:
 # An operation: ("enqueue", tenant, cost, timeout, count) | ("pop", count) | ("remove", index) |
 # ("tick", seconds). Bursts make tenants fall idle and come back, where lifting matters.
 OPS = st.one_of(
-    st.tuples(st.just("enqueue"), st.sampled_from(["a", "b", "c"]), st.integers(0, 500), st.integers(1, 30),
-              st.integers(1, 4)),
+    st.tuples(
+        st.just("enqueue"),
+        st.sampled_from(["a", "b", "c"]),
+        st.integers(0, 500),
+        st.integers(1, 30),
+        st.integers(1, 4),
+    ),
     st.tuples(st.just("pop"), st.integers(1, 4)),
     st.tuples(st.just("remove"), st.integers(0, 200)),
     st.tuples(st.just("tick"), st.integers(1, 5)),
@@ -362,11 +383,15 @@ OPS = st.one_of(
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(OPS, min_size=1, max_size=50),
-       weights=st.tuples(st.sampled_from([1.0, 2.0, 3.0]), st.sampled_from([1.0, 0.5, 4.0]),
-                         st.sampled_from([1.0, 2.5])))
-def test_vtc_bound_holds_for_any_interleaving(redis_server: Any, ops: list[tuple[Any, ...]],
-                                              weights: tuple[float, float, float]) -> None:
+@given(
+    ops=st.lists(OPS, min_size=1, max_size=50),
+    weights=st.tuples(
+        st.sampled_from([1.0, 2.0, 3.0]), st.sampled_from([1.0, 0.5, 4.0]), st.sampled_from([1.0, 2.5])
+    ),
+)
+def test_vtc_bound_holds_for_any_interleaving(
+    redis_server: Any, ops: list[tuple[Any, ...]], weights: tuple[float, float, float]
+) -> None:
     """Whenever two tenants both wait, their counters differ by at most the largest cost / weight of a
     request yet enqueued: nobody falls behind by more than one request, whatever the arrival order."""
     tenants = {name: TenantConfig(name, weight=w) for name, w in zip("abc", weights, strict=True)}
@@ -396,6 +421,10 @@ def test_vtc_bound_holds_for_any_interleaving(redis_server: Any, ops: list[tuple
             counters = [await q.counter(name) for name in waiting]
             if len(counters) > 1:
                 # Each newcomer may sit up to TIE below the others (one per tenant that joined).
-                assert max(counters) - min(counters) <= bound + len(tenants) * TIE + 1e-6, (op, waiting, counters)
+                assert max(counters) - min(counters) <= bound + len(tenants) * TIE + 1e-6, (
+                    op,
+                    waiting,
+                    counters,
+                )
 
     run(redis_server.url, body)

@@ -25,10 +25,9 @@ def make_ledger(request: pytest.FixtureRequest, url: str) -> Callable[..., Lease
 T0 = 1_000_000.0  # a fixed "now" for tests that drive the clock by hand
 
 
-
-
-async def make(ledger: LeaseLedger, lease_id: str, num_blocks: int = 4, ttl_s: float = 10.0,
-               now: float = T0) -> Lease:
+async def make(
+    ledger: LeaseLedger, lease_id: str, num_blocks: int = 4, ttl_s: float = 10.0, now: float = T0
+) -> Lease:
     lease = await ledger.create(lease_id, f"req-{lease_id}", "p:1", "d:1", num_blocks, ttl_s, now=now)
     assert lease is not None
     return lease
@@ -49,8 +48,13 @@ def test_happy_path_pinned_pulling_released(url: str, make_ledger: Callable[...,
         assert got is not None and got.state is LeaseState.RELEASED and got.expires_at == T0 + 10
 
         counts = await ledger.counts(now=T0 + 2)
-        assert counts == {LeaseState.PINNED: 0, LeaseState.PULLING: 0, LeaseState.RELEASED: 1,
-                          LeaseState.EXPIRED: 0, LeaseState.ABORTED: 0}
+        assert counts == {
+            LeaseState.PINNED: 0,
+            LeaseState.PULLING: 0,
+            LeaseState.RELEASED: 1,
+            LeaseState.EXPIRED: 0,
+            LeaseState.ABORTED: 0,
+        }
         totals = await ledger.totals()
         assert totals[LeaseState.PINNED] == totals[LeaseState.PULLING] == totals[LeaseState.RELEASED] == 1
         assert 0 < await r.pttl("baton:lease:L1") <= 300_000  # a finished lease leaves after the retention
@@ -196,6 +200,7 @@ def test_an_end_reported_before_the_pin_ends_the_lease(
 ) -> None:
     """Reports are concurrent calls: the end of a lease can reach Redis before its pin. The pin then
     records the lease as ended, never as an active lease that only its TTL would end."""
+
     async def body(r: aioredis.Redis) -> None:
         ledger = make_ledger(r)
         assert not await getattr(ledger, end)("L1")  # the pin is still on the way

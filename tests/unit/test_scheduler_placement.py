@@ -16,8 +16,17 @@ pytestmark = pytest.mark.unit
 BS = 16
 
 
-def worker(addr: str, *, free: int = 100, total: int = 100, running: int = 0, waiting: int = 0,
-           transfers: int = 0, hit: int = 0, role: str = "decode") -> Candidate:
+def worker(
+    addr: str,
+    *,
+    free: int = 100,
+    total: int = 100,
+    running: int = 0,
+    waiting: int = 0,
+    transfers: int = 0,
+    hit: int = 0,
+    role: str = "decode",
+) -> Candidate:
     return Candidate(addr, role, total, free, running, waiting, transfers, hit)
 
 
@@ -39,12 +48,16 @@ def test_load_wins_when_the_overlap_is_small() -> None:
 def test_a_worker_the_request_does_not_fit_is_skipped_and_no_room_is_an_error() -> None:
     placer = Placer()
     small = worker("a:1", free=2)
-    p = placer.place([small, worker("b:1", free=50)], [], num_prompt_tokens=10 * BS, max_tokens=8, block_size=BS)
+    p = placer.place(
+        [small, worker("b:1", free=50)], [], num_prompt_tokens=10 * BS, max_tokens=8, block_size=BS
+    )
     assert p.decode.address == "b:1"
     with pytest.raises(NoCapacity):
         placer.place([small], [], num_prompt_tokens=10 * BS, max_tokens=8, block_size=BS)
     # cached blocks it already holds are not new: the same worker fits once it has the prefix
-    p = placer.place([worker("a:1", free=3, hit=9)], [], num_prompt_tokens=10 * BS, max_tokens=8, block_size=BS)
+    p = placer.place(
+        [worker("a:1", free=3, hit=9)], [], num_prompt_tokens=10 * BS, max_tokens=8, block_size=BS
+    )
     assert p.decode.address == "a:1"
 
 
@@ -69,8 +82,11 @@ def test_exclusions_and_the_least_loaded_prefill_worker() -> None:
 
 def test_full_worker_queues_send_the_request_to_the_fair_queue_instead() -> None:
     placer = Placer(PlacementPolicy(max_prefill_queue=2, max_decode_queue=3))
-    d, busy_p, open_p = worker("d:1"), worker("p:1", running=1, waiting=1, role="prefill"), worker(
-        "p:2", running=1, role="prefill")
+    d, busy_p, open_p = (
+        worker("d:1"),
+        worker("p:1", running=1, waiting=1, role="prefill"),
+        worker("p:2", running=1, role="prefill"),
+    )
     assert placer.place([d], [busy_p, open_p], 200, 8, BS).prefill == open_p  # p:1 holds 2 prompts: full
     with pytest.raises(NoCapacity, match="prefill"):
         placer.place([d], [busy_p], 200, 8, BS)  # long prompt, every prefill queue full: wait, not local
@@ -107,8 +123,10 @@ def test_version_choice_follows_weights_and_is_sticky() -> None:
     weights = {"v1": 0.9, "v2": 0.1}
     picks = Counter(choose_version(weights, f"req-{i}", {"v1", "v2"}) for i in range(5000))
     assert 0.07 < picks["v2"] / 5000 < 0.13
-    assert all(choose_version(weights, f"req-{i}", {"v1", "v2"}) == choose_version(weights, f"req-{i}", {"v1", "v2"})
-               for i in range(100))
+    assert all(
+        choose_version(weights, f"req-{i}", {"v1", "v2"}) == choose_version(weights, f"req-{i}", {"v1", "v2"})
+        for i in range(100)
+    )
     assert choose_version({"v1": 0.0, "v2": 1.0}, "x", {"v1", "v2"}) == "v2"  # rollback/rollout = weights
     assert choose_version({"v1": 1.0, "v2": 0.0}, "x", {"v2"}) == "v2"  # the weighted one has no worker
     assert choose_version(weights, "x", set()) is None
@@ -121,7 +139,9 @@ def test_shadow_share_is_a_sticky_fraction(share: float) -> None:
     assert all(in_shadow(f"r{i}", share) == in_shadow(f"r{i}", share) for i in range(20))
 
 
-def test_catalog_first_version_takes_traffic_and_later_ones_wait_for_an_operator(redis_server: object) -> None:
+def test_catalog_first_version_takes_traffic_and_later_ones_wait_for_an_operator(
+    redis_server: object,
+) -> None:
     import asyncio
 
     import redis.asyncio as aioredis
@@ -161,11 +181,30 @@ def test_catalog_sums_shadow_comparisons_per_version_pair(redis_server: object) 
         await client.flushdb()
         catalog = ModelCatalog(client)
         assert await catalog.comparisons("m") == []
-        one = {"requests": 1, "identical": 1, "greedy_agreement": 1.0, "positions": 10, "top1_agreed": 10,
-               "kl_sum": 0.01, "primary_ttft_ms": 20.0, "shadow_ttft_ms": 30.0, "itl_requests": 1,
-               "primary_itl_ms": 10.0, "shadow_itl_ms": 8.0}
-        two = {**one, "identical": 0, "greedy_agreement": 0.5, "top1_agreed": 6, "kl_sum": 0.09,
-               "shadow_ttft_ms": 50.0, "itl_requests": 0, "primary_itl_ms": 0.0, "shadow_itl_ms": 0.0}
+        one = {
+            "requests": 1,
+            "identical": 1,
+            "greedy_agreement": 1.0,
+            "positions": 10,
+            "top1_agreed": 10,
+            "kl_sum": 0.01,
+            "primary_ttft_ms": 20.0,
+            "shadow_ttft_ms": 30.0,
+            "itl_requests": 1,
+            "primary_itl_ms": 10.0,
+            "shadow_itl_ms": 8.0,
+        }
+        two = {
+            **one,
+            "identical": 0,
+            "greedy_agreement": 0.5,
+            "top1_agreed": 6,
+            "kl_sum": 0.09,
+            "shadow_ttft_ms": 50.0,
+            "itl_requests": 0,
+            "primary_itl_ms": 0.0,
+            "shadow_itl_ms": 0.0,
+        }
         await catalog.record_shadow("m", "v1", "v2", one)
         await catalog.record_shadow("m", "v1", "v2", two)
         await catalog.record_shadow("m", "v1", "v3", one)

@@ -25,9 +25,6 @@ def ledger(request: pytest.FixtureRequest, url: str) -> Callable[..., QuotaLedge
     return on_transport(QuotaLedger, request.param, url)
 
 
-
-
-
 def tenant(**limits: Any) -> TenantConfig:
     defaults: dict[str, Any] = {"requests_per_s": 100.0, "tokens_per_s": 10_000.0, "burst_s": 1.0}
     return TenantConfig("acme", **{**defaults, **limits})
@@ -60,8 +57,9 @@ def test_token_rate_charges_prompt_plus_max_tokens(url: str, ledger: Callable[..
         adm = await q.admit(t, "a", 100, 500, 2)
         assert (adm.tokens_charged, adm.kv_blocks, adm.already_admitted) == (600, 2, False)
         assert adm.expires_at_s == pytest.approx(clock.now + q.request_ttl_s)
-        with pytest.raises(CapacityExceeded, match=r"token rate over 1000/s \(600 tokens requested, 400 av"
-                           ) as e:
+        with pytest.raises(
+            CapacityExceeded, match=r"token rate over 1000/s \(600 tokens requested, 400 av"
+        ) as e:
             await q.admit(t, "b", 300, 300, 2)
         assert e.value.retry_after_s == pytest.approx(0.2)
         clock.now += 0.2
@@ -78,8 +76,11 @@ def test_concurrency_and_kv_limits_refuse_with_a_constant_retry_after(
         q = ledger(r, clock=Clock(), busy_retry_after_s=0.75)
         t = tenant(max_concurrent=2, max_kv_blocks=10)
         await q.admit(t, "a", 1, 1, 6)
-        with pytest.raises(CapacityExceeded, match=r"6 KV blocks held and 5 more requested "
-                                                   r"\(max_kv_blocks=10\)") as e:
+        with pytest.raises(
+            CapacityExceeded,
+            match=r"6 KV blocks held and 5 more requested "
+            r"\(max_kv_blocks=10\)",
+        ) as e:
             await q.admit(t, "b", 1, 1, 5)
         assert e.value.retry_after_s == 0.75
         await q.admit(t, "b", 1, 1, 4)

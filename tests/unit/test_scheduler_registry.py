@@ -20,13 +20,29 @@ TTL = 1.0  # heartbeat timeout in these tests: short, yet with slack for a loade
 
 
 def record(worker_id: str, role: str = "decode", model: str = "llama", version: str = "v1") -> WorkerRecord:
-    return WorkerRecord(worker_id=worker_id, role=role, model=model, version=version,  # type: ignore[arg-type]
-                        address=worker_id, num_blocks=100, block_size=16, max_model_len=4096, kv_backend="tcp")
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        version=version,  # type: ignore[arg-type]
+        address=worker_id,
+        num_blocks=100,
+        block_size=16,
+        max_model_len=4096,
+        kv_backend="tcp",
+    )
 
 
 def load(free_blocks: int = 100, draining: bool = False) -> WorkerLoad:
-    return WorkerLoad(free_blocks=free_blocks, running=1, waiting=2, transfers=0, leases=3, draining=draining,
-                      timestamp=123.5)
+    return WorkerLoad(
+        free_blocks=free_blocks,
+        running=1,
+        waiting=2,
+        transfers=0,
+        leases=3,
+        draining=draining,
+        timestamp=123.5,
+    )
 
 
 def ids(views: Any) -> list[str]:
@@ -56,7 +72,9 @@ def test_register_and_filter_by_model_version_and_role(url: str) -> None:
         assert ids(await reg.healthy("nope")) == []
 
         view = await reg.get("d:1")
-        assert view is not None and view.record == record("d:1", "decode") and view.load == load(free_blocks=7)
+        assert (
+            view is not None and view.record == record("d:1", "decode") and view.load == load(free_blocks=7)
+        )
         assert await reg.get("unknown") is None
 
     run(url, body)
@@ -106,7 +124,10 @@ def test_draining_workers_take_no_new_work_but_are_listed(url: str) -> None:
         assert ids(await reg.healthy("llama")) == ["d:2"]
         assert ids(await reg.healthy("llama", include_draining=True)) == ["d:1", "d:2", "d:3"]
         assert [(v.worker_id, v.draining) for v in await reg.all_workers()] == [
-            ("d:1", True), ("d:2", False), ("d:3", True)]
+            ("d:1", True),
+            ("d:2", False),
+            ("d:3", True),
+        ]
         assert await reg.heartbeat("d:1", load())  # the worker's own load does not undo the scheduler's flag
         assert ids(await reg.healthy("llama")) == ["d:2"]
 
@@ -192,8 +213,17 @@ def test_invalid_records_are_rejected() -> None:
     with pytest.raises(InvalidRequest, match="role"):
         record("d:1", role="router")
     with pytest.raises(InvalidRequest):
-        WorkerRecord("d:1", "decode", "llama", "v1", "d:1", num_blocks=0, block_size=16, max_model_len=1,
-                     kv_backend="tcp")
+        WorkerRecord(
+            "d:1",
+            "decode",
+            "llama",
+            "v1",
+            "d:1",
+            num_blocks=0,
+            block_size=16,
+            max_model_len=1,
+            kv_backend="tcp",
+        )
 
 
 def test_snapshot_reads_live_undrained_workers_and_resends_only_changed_sets(url: str) -> None:
@@ -215,7 +245,9 @@ def test_snapshot_reads_live_undrained_workers_and_resends_only_changed_sets(url
         known = {view.worker_id: KnownWorker(view, gen, held) for view, gen, held in rows}
         newer = WorkerLoad(free_blocks=90, running=2, waiting=0, transfers=0, leases=0, timestamp=124.0)
         assert await reg.heartbeat("d:2", newer, ["a2", "b2"])  # d:2 publishes a new set and load
-        again = {view.worker_id: (view, held) for view, _, held in await reg.snapshot_with_prefixes("llama", known)}
+        again = {
+            view.worker_id: (view, held) for view, _, held in await reg.snapshot_with_prefixes("llama", known)
+        }
         assert again["d:1"][1] is known["d:1"].held and again["d:1"][0] is known["d:1"].view
         assert again["d:2"][1] == frozenset({"a2", "b2"})
         assert again["d:2"][0].load == newer

@@ -17,8 +17,6 @@ pytestmark = pytest.mark.unit
 SECRET = "sk-baton-9f8e7d6c5b4a39281706f5e4d3c2b1a0"
 
 
-
-
 def test_api_keys_are_hashed_at_rest(url: str, redis_client: Any) -> None:
     async def body(r: aioredis.Redis) -> None:
         d = TenantDirectory(r)
@@ -110,8 +108,12 @@ def test_tenant_config_validation_and_json() -> None:
     with pytest.raises(ValueError, match="must allow one request"):
         TenantConfig("a", requests_per_s=0.5, burst_s=1.0)
     # Stored as JSON: a value of the wrong type is refused, a boolean included (true is no count).
-    for field, value in (("max_concurrent", True), ("tokens_per_s", "5"), ("share_prefix_cache", 1),
-                         ("max_kv_blocks", 2.5)):
+    for field, value in (
+        ("max_concurrent", True),
+        ("tokens_per_s", "5"),
+        ("share_prefix_cache", 1),
+        ("max_kv_blocks", 2.5),
+    ):
         with pytest.raises(ValueError, match=f"{field} must be"):
             TenantConfig.from_json(json.dumps({"name": "a", field: value}))
     t = TenantConfig("a", requests_per_s=2.0, tokens_per_s=100.0, burst_s=3.0, share_prefix_cache=True)

@@ -96,10 +96,18 @@ def test_running_decodes_cap_the_prompt_tokens_of_their_step() -> None:
     while a.num_computed_tokens < 20 or b.num_computed_tokens < 20:
         out = s.schedule()
         assert out.scheduled[0].request.request_id == "alone" and out.scheduled[0].num_new_tokens == 1
-        per_step.append(sum(x.num_new_tokens for x in out.scheduled if x.request.request_id != "alone"
-                            and x.request.num_computed_tokens < x.request.num_prompt_tokens))
+        per_step.append(
+            sum(
+                x.num_new_tokens
+                for x in out.scheduled
+                if x.request.request_id != "alone"
+                and x.request.num_computed_tokens < x.request.num_prompt_tokens
+            )
+        )
         s.update(out, {x.request.request_id: fake_token(x.request) for x in out.scheduled if x.samples})
-    assert sum(per_step) == 40 and max(per_step) == 6, per_step  # beside a decode: at most 6 prompt tokens a step
+    assert sum(per_step) == 40 and max(per_step) == 6, (
+        per_step
+    )  # beside a decode: at most 6 prompt tokens a step
     with pytest.raises(ValueError, match="must not be negative"):
         SchedulerConfig(mixed_prefill_tokens=-1)
 
@@ -162,8 +170,13 @@ def test_a_heavy_tenants_prompts_are_chunked_and_yield_the_step_to_a_light_promp
     is heavy — its prompts go in heavy_prefill_chunk pieces, and a light prompt that arrives mid-way
     runs alone in the next step — until that tenant has not been seen for RECENT_WINDOW_S."""
     clock = Clock()
-    s = StepScheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_chunk=256,
-                                      heavy_prefill_chunk=8), KVCacheManager(256, BS), clock)
+    s = StepScheduler(
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=256, long_prefill_chunk=256, heavy_prefill_chunk=8
+        ),
+        KVCacheManager(256, BS),
+        clock,
+    )
 
     bases = iter(range(10_000, 10**6, 1000))  # no two prompts share a block: no prefix-cache hits
 

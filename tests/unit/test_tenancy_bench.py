@@ -32,22 +32,31 @@ def _trace(name: str, ttft_s: float, error: str | None = None) -> Trace:
 
 def test_render_reports_the_ratio_of_p95s_and_the_flood_outcomes() -> None:
     solo = PhaseResult({"quiet": [_trace(f"q{i}", 0.2) for i in range(20)]}, wall_s=10.0)
-    flood = PhaseResult({"quiet": [_trace(f"q{i}", 0.25) for i in range(20)],
-                         "flood": [_trace("f0", 1.0), _trace("f1", 0.0, "RESOURCE_EXHAUSTED: over quota")]},
-                        wall_s=10.0)
+    flood = PhaseResult(
+        {
+            "quiet": [_trace(f"q{i}", 0.25) for i in range(20)],
+            "flood": [_trace("f0", 1.0), _trace("f1", 0.0, "RESOURCE_EXHAUSTED: over quota")],
+        },
+        wall_s=10.0,
+    )
     machine = MachineInfo.probe(num_threads=1)
     text = render(TenancyPlan(), machine, "cmd", ["baton up"], solo, flood)
     assert "**1.25×**" in text and "**met**" in text
     assert "RESOURCE_EXHAUSTED 1" in text
-    assert "| quiet, under the flood | 20 | 20 | 250 | 250 | 250 | 100 / 100 |" in text  # each trace's gap: 0.1 s
+    assert (
+        "| quiet, under the flood | 20 | 20 | 250 | 250 | 250 | 100 / 100 |" in text
+    )  # each trace's gap: 0.1 s
     worse = PhaseResult({"quiet": [_trace(f"q{i}", 0.5) for i in range(20)]}, wall_s=10.0)
     assert "**not met**" in render(TenancyPlan(), machine, "cmd", [], solo, worse)
 
 
 def test_rounds_of_one_side_are_pooled() -> None:
     a = PhaseResult({"quiet": [_trace("q0", 0.2)]}, wall_s=10.0, cpu_pct={"decode": 90.0})
-    b = PhaseResult({"quiet": [_trace("q1", 0.4)], "flood": [_trace("f0", 1.0)]}, wall_s=30.0,
-                    cpu_pct={"decode": 50.0, "prefill": 40.0})
+    b = PhaseResult(
+        {"quiet": [_trace("q1", 0.4)], "flood": [_trace("f0", 1.0)]},
+        wall_s=30.0,
+        cpu_pct={"decode": 50.0, "prefill": 40.0},
+    )
     a.add(b)
     assert [t.name for t in a.traces["quiet"]] == ["q0", "q1"] and len(a.traces["flood"]) == 1
     assert a.wall_s == 40.0
