@@ -61,6 +61,7 @@ peers: setup
 
 lint: $(STAMP) proto
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 clean:

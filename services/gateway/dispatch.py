@@ -20,21 +20,16 @@ the inter-token gaps as its tokens are handed to the client's stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
-import grpc
-from prometheus_client import Histogram
-
-from baton.v1 import common_pb2, worker_pb2
-from core.errors import InvalidRequest, KVTransferFailed, ServingError, Unavailable, WorkerLost
+from core.errors import InvalidRequest, KVTransferFailed, ServingError, WorkerLost
 from core.outputs import FinishReason
-from core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from rpc.convert import FINISH_FROM_PB, sampling_to_pb
+from kv_transfer.handle import KVHandle
 from rpc.errors import as_serving_error
 from rpc.metrics import NONE, BoundedLabel
 from services.gateway import metrics
@@ -45,81 +40,23 @@ from services.gateway.admission import (
     RequestValidator,
     request_id_problem,
 )
-from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, TokenLogprob, Usage
+from services.gateway.job import Job
+from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, Usage
 from services.gateway.router import LeaseEvent, LeaseReport, Route, RouteQuery, Router
 from services.gateway.shadow import (
     PrimaryResult,
     ShadowRequest,
     ShadowRun,
     ShadowTraffic,
-    TopLogprobs,
+    as_asked,
     with_top_logprobs,
 )
-from services.gateway.worker_clients import WorkerClients, worker_error
+from services.gateway.worker_clients import Leg, WorkerClients
 
 log = logging.getLogger(__name__)
 
 MAX_WORKER_RETRIES = 2  # re-routes of a request whose worker failed before it streamed anything
 MAX_KV_RETRIES = 1  # fresh prefills after a failed KV handoff
-
-
-@dataclass(slots=True)
-class _Job:
-    """Driver-side state of one request: its prompt and params, where it runs, what the client has
-    been sent (what a migration resumes from), and the timings gathered so far."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    deadline: float | None  # monotonic
-    api_key: str = ""
-    dispatched_at: float = 0.0
-    prefill_ms: float = 0.0
-    transfer_ms: float = 0.0
-    decode_ms: float = 0.0
-    cached_tokens: int = 0
-    sent_ids: list[int] = field(default_factory=list)  # every token handed to the client's stream
-    route: Route | None = None  # the current route; None until the first one
-    stage: str = "prefill"  # of the current attempt: prefill | transfer (D pulls the KV) | decode
-    worker: str = ""  # the worker the current stage runs on
-    failed: list[str] = field(default_factory=list)  # workers this request left behind
-    lease: LeaseReport | None = None  # a KV lease on P that D has not yet taken
-    retries: int = 0
-    kv_retries: int = 0
-    migrations: int = 0
-    shadow: ShadowRun | None = None  # the request mirrored to a shadow version, if the route named one
-    client_logprobs: int | None = None  # what the client asked for (params ask for more while shadowed)
-    shadow_top: list[TopLogprobs] = field(default_factory=list)  # the primary's top logprobs per token
-    labels: tuple[str, str, str] = ("", NONE, NONE)  # metrics: model, version, tenant (set once placed)
-    itl: Histogram | None = None  # metrics.ITL of this request's labels
-    last_token_at: float = 0.0  # when the last token was handed to the client's stream
-    # Aborts sent to workers after a cancel or failure; the request id stays reserved until they land,
-    # so a client that reuses it at once cannot have its new request aborted by the old one's cleanup.
-    aborts: list[asyncio.Task[bool]] = field(default_factory=list)
-
-    def abort_on(self, workers: WorkerClients, address: str) -> None:
-        self.aborts.append(workers.abort_soon(address, self.request_id))
-
-    def remaining_s(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-
-def delta_from_pb(msg: common_pb2.TokenDelta) -> Delta:
-    logprobs = [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs]
-    return Delta(list(msg.token_ids), msg.text, logprobs)
-
-
-def _as_asked(delta: Delta, num_logprobs: int | None) -> Delta:
-    """``delta`` with the logprobs its client asked for: none, or each token's ``num_logprobs`` best."""
-    if num_logprobs is None:
-        return Delta(delta.token_ids, delta.text)
-    trimmed = [
-        TokenLogprob(
-            lp.token_id, lp.logprob, dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_logprobs])
-        )
-        for lp in delta.logprobs
-    ]
-    return Delta(delta.token_ids, delta.text, trimmed)
 
 
 class Dispatcher:
@@ -146,7 +83,7 @@ class Dispatcher:
         self.tenant_label = tenant_label or BoundedLabel()  # keeps the tenant label's values bounded
         self._client_wait = metrics.CLIENT_WAIT.labels(model.name)
         self._in_flight: dict[str, RequestStream] = {}
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, Job] = {}
 
     @property
     def num_in_flight(self) -> int:
@@ -194,12 +131,12 @@ class Dispatcher:
     async def _run(self, stream: RequestStream, request: GenerationRequest) -> None:
         outcome = "ok"  # ok | cancelled | the error's gRPC code
         reason = ""  # why it was cancelled
-        job: _Job | None = None
+        job: Job | None = None
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
         try:
             async with asyncio.timeout(request.timeout_s):
                 prompt_ids, params = await self.validator.prepare(request)
-                job = _Job(stream.request_id, prompt_ids, params, deadline, request.api_key)
+                job = Job(stream.request_id, prompt_ids, params, deadline, request.api_key)
                 job.client_logprobs = params.logprobs
                 self._jobs[job.request_id] = job
                 await self._execute(stream, job)
@@ -226,7 +163,7 @@ class Dispatcher:
             metrics.IN_FLIGHT.dec()
             self._count(stream, job, request.api, outcome, reason)
 
-    def _count(self, stream: RequestStream, job: _Job | None, api: str, outcome: str, reason: str) -> None:
+    def _count(self, stream: RequestStream, job: Job | None, api: str, outcome: str, reason: str) -> None:
         """The metrics of a request that ended (see `services.gateway.metrics`)."""
         placed = job is not None and job.route is not None
         model, version, tenant = job.labels if job is not None and placed else (self.model.name, NONE, NONE)
@@ -258,7 +195,7 @@ class Dispatcher:
         ):
             segment.labels(model, version).observe(ms / 1e3)
 
-    def _cancelled(self, stream: RequestStream, job: _Job | None, reason: str) -> str:
+    def _cancelled(self, stream: RequestStream, job: Job | None, reason: str) -> str:
         metrics.CANCELLATIONS.labels(reason).inc()
         log.info("request %s cancelled (%s) after %d tokens", stream.request_id, reason, stream.num_tokens)
         if job is not None and job.route is not None:
@@ -271,7 +208,7 @@ class Dispatcher:
         return "cancelled"
 
     @staticmethod
-    def _end_shadow(stream: RequestStream, job: _Job, shadow: ShadowRun, outcome: str) -> None:
+    def _end_shadow(stream: RequestStream, job: Job, shadow: ShadowRun, outcome: str) -> None:
         """Tells the request's shadow how the primary ended: compare with what the client got, or stop."""
         if outcome == "ok":
             ttft_s = (stream.first_token_at or stream.accepted_at) - stream.accepted_at
@@ -281,7 +218,7 @@ class Dispatcher:
         else:
             shadow.cancel("cancelled" if outcome == "cancelled" else "primary_failed")
 
-    async def _execute(self, stream: RequestStream, job: _Job) -> None:
+    async def _execute(self, stream: RequestStream, job: Job) -> None:
         """Routes the request and runs it; a worker that fails is excluded and the request routed again,
         going on from what the client already has."""
         route = await self._route(job)
@@ -322,7 +259,7 @@ class Dispatcher:
                 return
             route = await self._route(job)
 
-    async def _route(self, job: _Job) -> Route:
+    async def _route(self, job: Job) -> Route:
         query = RouteQuery(
             job.request_id,
             [*job.prompt_ids, *job.sent_ids],
@@ -353,7 +290,7 @@ class Dispatcher:
         )
         return route
 
-    async def _may_retry(self, job: _Job, error: ServingError) -> bool:
+    async def _may_retry(self, job: Job, error: ServingError) -> bool:
         """Whether a failed attempt may go on elsewhere; if so, which worker to leave behind."""
         if not isinstance(error, WorkerLost | KVTransferFailed) or job.route is None:
             return False
@@ -387,7 +324,7 @@ class Dispatcher:
             return False
         return True
 
-    async def _attempt(self, stream: RequestStream, job: _Job, route: Route) -> None:
+    async def _attempt(self, stream: RequestStream, job: Job, route: Route) -> None:
         if route.prefill is not None and len(job.sent_ids) <= 1:
             handle = await self._prefill(stream, job, route.prefill)
             if handle is not None:
@@ -397,54 +334,41 @@ class Dispatcher:
         job.stage, job.worker = "decode", route.decode
         await self._decode(stream, job, route.decode)
 
-    async def _prefill(self, stream: RequestStream, job: _Job, address: str) -> common_pb2.KVHandle | None:
+    async def _prefill(self, stream: RequestStream, job: Job, address: str) -> KVHandle | None:
         """Prefill on P; the first token goes to the client at once (unless it has it from an earlier
         attempt). Returns the KV handle, or None when that token already ended the request."""
         assert job.route is not None
         job.stage, job.worker = "prefill", address
-        request = worker_pb2.PrefillRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_ids,
-            sampling=sampling_to_pb(job.params),
-            cache_salt=job.route.cache_salt,
-        )
-        call = self.workers.stub(address).Prefill(request, timeout=job.remaining_s())
         try:
-            response: worker_pb2.PrefillResponse = await call
-        except grpc.aio.AioRpcError as e:
-            raise worker_error(e, address) from None
+            r = await self.workers.prefill(address, self._leg(job))
         except asyncio.CancelledError:
             # The prefill may have finished (and leased its blocks) as we cancelled: release them.
             job.abort_on(self.workers, address)
             raise
-        finally:
-            call.cancel()  # a no-op once it has finished; aborts the prefill if we were cancelled
-        job.prefill_ms += response.prefill_ms
-        job.cached_tokens = response.usage.cached_tokens
-        if not response.first.token_ids:
-            raise Unavailable(f"prefill worker {address} returned no first token")
+        job.prefill_ms += r.prefill_ms
+        job.cached_tokens = r.cached_tokens
         if not job.sent_ids:
-            self._push(stream, job, response.first)
-        if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or not response.HasField("handle"):
-            if response.HasField("handle"):
+            self._push(stream, job, r.first)
+        if r.finish_reason is not None or r.handle is None:
+            if r.handle is not None:
                 job.abort_on(self.workers, address)
-            reason = FINISH_FROM_PB.get(response.finish_reason, FinishReason.STOP)
-            stream.finish(
-                self._finished(
-                    stream, job, reason, max(1, response.usage.completion_tokens), response.stop_reason
-                )
-            )
+            reason = r.finish_reason or FinishReason.STOP
+            stream.finish(self._finished(stream, job, reason, max(1, r.completion_tokens), r.stop_reason))
             return None
-        handle = response.handle
-        ttl_s = job.route.lease_ttl_s or max(0.0, handle.expires_at - time.time())
+        ttl_s = job.route.lease_ttl_s or max(0.0, r.handle.expires_at - time.time())
         job.lease = LeaseReport(
-            handle.lease_id, job.request_id, address, job.route.decode, len(handle.block_ids), ttl_s
+            r.handle.lease_id, job.request_id, address, job.route.decode, len(r.handle.block_ids), ttl_s
         )
         self.router.report_lease("pinned", job.lease)
-        return handle
+        return r.handle
+
+    @staticmethod
+    def _leg(job: Job) -> Leg:
+        assert job.route is not None
+        return Leg(job.request_id, job.prompt_ids, job.params, job.route.cache_salt, job.remaining_s())
 
     async def _handoff(
-        self, stream: RequestStream, job: _Job, prefill_at: str, decode_at: str, handle: common_pb2.KVHandle
+        self, stream: RequestStream, job: Job, prefill_at: str, decode_at: str, handle: KVHandle
     ) -> None:
         """Decode on D from P's KV, continuing after the first token the client already has."""
         job.stage, job.worker = "transfer", decode_at
@@ -461,65 +385,49 @@ class Dispatcher:
                 self._end_lease(job, "aborted")
             raise
 
-    def _end_lease(self, job: _Job, event: LeaseEvent) -> None:
+    def _end_lease(self, job: Job, event: LeaseEvent) -> None:
         if job.lease is not None:
             self.router.report_lease(event, job.lease)
             job.lease = None
 
     async def _decode(
-        self, stream: RequestStream, job: _Job, address: str, handle: common_pb2.KVHandle | None = None
+        self, stream: RequestStream, job: Job, address: str, handle: KVHandle | None = None
     ) -> None:
         """Streams D's tokens to the client. With a handle D pulls the KV and starts after the first
         token; without one it prefills, and first recomputes every token the client already has."""
-        assert job.route is not None
-        request = worker_pb2.DecodeRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_ids,
-            sampling=sampling_to_pb(job.params),
-            cache_salt=job.route.cache_salt,
-        )
         resumed = bool(job.sent_ids) and handle is None
-        if handle is not None:
-            request.handle.CopyFrom(handle)
-            request.first_token = job.sent_ids[0]
-        elif resumed:
-            request.resume_token_ids.extend(job.sent_ids)
-        last: worker_pb2.DecodeResponse | None = None
-        call = self.workers.stub(address).Decode(request, timeout=job.remaining_s())
-        try:
-            async for msg in call:
-                self._end_lease(job, "released")  # D streams only once it has pulled the KV
-                job.stage = "decode"
-                if msg.delta.token_ids or msg.delta.text:
-                    self._push(stream, job, msg.delta)
-                if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    last = msg
-        except grpc.aio.AioRpcError as e:
-            raise worker_error(e, address) from None
-        finally:
-            call.cancel()  # a no-op once it has finished; otherwise the worker aborts and frees blocks
-        if last is None:
-            raise Unavailable(f"decode worker {address} ended the stream without a finish reason")
-        job.transfer_ms += last.transfer_ms
-        job.decode_ms += last.decode_ms
-        job.prefill_ms += last.prefill_ms
-        if handle is None and not resumed:
-            job.cached_tokens = last.usage.cached_tokens
-        reason = FINISH_FROM_PB.get(last.finish_reason, FinishReason.STOP)
-        stream.finish(
-            self._finished(
-                stream, job, reason, last.usage.completion_tokens or stream.num_tokens, last.stop_reason
-            )
+        legs = self.workers.decode(
+            address,
+            self._leg(job),
+            handle,
+            job.sent_ids[0] if handle is not None else None,
+            job.sent_ids if resumed else (),
         )
+        async with contextlib.aclosing(legs) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    self._end_lease(job, "released")  # D streams only once it has pulled the KV
+                    job.stage = "decode"
+                    if event.token_ids or event.text:
+                        self._push(stream, job, event)
+                    continue
+                job.transfer_ms += event.transfer_ms
+                job.decode_ms += event.decode_ms
+                job.prefill_ms += event.prefill_ms
+                if handle is None and not resumed:
+                    job.cached_tokens = event.cached_tokens
+                completion_tokens = event.completion_tokens or stream.num_tokens
+                stream.finish(
+                    self._finished(stream, job, event.finish_reason, completion_tokens, event.stop_reason)
+                )
 
-    def _push(self, stream: RequestStream, job: _Job, msg: common_pb2.TokenDelta) -> None:
-        job.sent_ids.extend(msg.token_ids)
-        delta = delta_from_pb(msg)
+    def _push(self, stream: RequestStream, job: Job, delta: Delta) -> None:
+        job.sent_ids.extend(delta.token_ids)
         if job.shadow is not None:  # the comparison's logprobs: kept here, trimmed for the client
             job.shadow_top.extend(lp.top for lp in delta.logprobs)
-            delta = _as_asked(delta, job.client_logprobs)
+            delta = as_asked(delta, job.client_logprobs)
         stream.push(delta)
-        if msg.token_ids:
+        if delta.token_ids:
             now = time.perf_counter()
             if job.last_token_at and job.itl is not None:
                 job.itl.observe(now - job.last_token_at)
@@ -528,7 +436,7 @@ class Dispatcher:
     def _finished(
         self,
         stream: RequestStream,
-        job: _Job | None,
+        job: Job | None,
         reason: FinishReason,
         completion_tokens: int,
         stop_reason: str = "",

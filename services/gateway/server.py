@@ -31,10 +31,11 @@ from rpc.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
 from services.gateway.admission import Limits, ModelInfo, load_tokenizer, vocab_size
+from services.gateway.convert import lenient_deserializer
 from services.gateway.dispatch import Dispatcher
 from services.gateway.http_api import HttpApi
 from services.gateway.router import Router, SchedulerRouter, StaticRouter
-from services.gateway.servicer import GatewayServicer, lenient_deserializer
+from services.gateway.servicer import GatewayServicer
 from services.gateway.shadow import ShadowTraffic
 from services.gateway.worker_clients import WorkerClients
 

@@ -31,6 +31,7 @@ client never waits for it and never sees it. Once both have ended they are compa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -38,15 +39,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
-from baton.v1 import worker_pb2
 from core.errors import ServingError
 from core.sampling_params import MAX_LOGPROBS, SamplingParams
-from rpc.convert import sampling_to_pb
 from services.gateway import metrics
+from services.gateway.request_stream import Delta, TokenLogprob
 from services.gateway.router import ShadowReport
-from services.gateway.worker_clients import WorkerClients, worker_error
+from services.gateway.worker_clients import Leg, WorkerClients
 
 log = logging.getLogger(__name__)
 
@@ -251,26 +249,20 @@ class ShadowRun:
     async def _decode(self) -> ShadowResult:
         r = self.request
         start = time.perf_counter()
-        message = worker_pb2.DecodeRequest(
-            request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
-            sampling=sampling_to_pb(with_top_logprobs(r.params)),
-            cache_salt=r.cache_salt,
+        leg = Leg(
+            r.request_id, list(r.prompt_token_ids), with_top_logprobs(r.params), r.cache_salt, self._timeout_s
         )
         token_ids: list[int] = []
         top: list[TopLogprobs] = []
         ttft_s = 0.0
-        call = self._workers.stub(r.worker).Decode(message, timeout=self._timeout_s)
-        try:
-            async for msg in call:
-                if msg.delta.token_ids and not token_ids:
+        async with contextlib.aclosing(self._workers.decode(r.worker, leg)) as events:
+            async for event in events:  # closed early, the worker drops the request
+                if not isinstance(event, Delta):
+                    continue
+                if event.token_ids and not token_ids:
                     ttft_s = time.perf_counter() - start
-                token_ids.extend(msg.delta.token_ids)
-                top.extend(dict(lp.top) for lp in msg.delta.logprobs)
-        except grpc.aio.AioRpcError as e:
-            raise worker_error(e, r.worker) from None
-        finally:
-            call.cancel()  # a no-op once it has finished; otherwise the worker drops the request
+                token_ids.extend(event.token_ids)
+                top.extend(lp.top for lp in event.logprobs)
         return ShadowResult(token_ids, ttft_s, time.perf_counter() - start, top)
 
     def _record(self, primary: PrimaryResult, shadow: ShadowResult) -> str:
@@ -386,3 +378,17 @@ class ShadowTraffic:
             run.cancel("shutdown")
         if runs:
             await asyncio.wait([r.task for r in runs], timeout=5.0)
+
+
+def as_asked(delta: Delta, num_logprobs: int | None) -> Delta:
+    """A shadowed primary's ``delta`` with the logprobs its client asked for: none, or each token's
+    ``num_logprobs`` best (the primary asked its workers for SHADOW_TOP_K)."""
+    if num_logprobs is None:
+        return Delta(delta.token_ids, delta.text)
+    trimmed = [
+        TokenLogprob(
+            lp.token_id, lp.logprob, dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_logprobs])
+        )
+        for lp in delta.logprobs
+    ]
+    return Delta(delta.token_ids, delta.text, trimmed)

@@ -1,18 +1,26 @@
-"""`WorkerClients`: the gateway's gRPC channels to its workers, keyed by address, plus the few calls
-that are not part of a request's stream (start-up discovery, health probes, fire-and-forget aborts)."""
+"""`WorkerClients`: the gateway's gRPC channels to its workers, keyed by address, and every call it
+makes on them — a request's legs (`prefill`, `decode`, typed: the dispatcher and the shadow path see
+no proto) and the calls outside a request's stream (start-up discovery, health probes, aborts)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
-from baton.v1 import worker_pb2, worker_pb2_grpc
+from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.errors import ServingError, Unavailable, WorkerLost
+from core.outputs import FinishReason
+from core.sampling_params import SamplingParams
+from kv_transfer.handle import KVHandle
+from rpc.convert import FINISH_FROM_PB, handle_from_pb, handle_to_pb, sampling_to_pb
 from rpc.errors import from_rpc_error
+from services.gateway.convert import delta_from_pb
+from services.gateway.request_stream import Delta
 from services.gateway.router import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -28,6 +36,50 @@ def worker_error(e: grpc.aio.AioRpcError, address: str) -> ServingError:
     if type(err) is Unavailable:
         return WorkerLost(f"worker {address} is unavailable: {err.message}", address)
     return err
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """What one Prefill or Decode call carries of a request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str = ""
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A Prefill's answer: the first token and the KV handle to decode from; ``finish_reason`` set when
+    that token already ended the request (a handle may still come back: the caller releases it)."""
+
+    first: Delta
+    handle: KVHandle | None
+    finish_reason: FinishReason | None
+    stop_reason: str
+    completion_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """The end of a Decode stream."""
+
+    finish_reason: FinishReason
+    stop_reason: str
+    completion_tokens: int
+    cached_tokens: int
+    prefill_ms: float  # on this worker (a decode worker that prefilled itself)
+    transfer_ms: float
+    decode_ms: float
+
+
+def _finish(code: int) -> FinishReason | None:
+    return (
+        None if code == common_pb2.FINISH_REASON_UNSPECIFIED else FINISH_FROM_PB.get(code, FinishReason.STOP)
+    )
 
 
 class WorkerClients:
@@ -89,6 +141,79 @@ class WorkerClients:
             a: None if isinstance(r, worker_pb2.InfoResponse) else str(getattr(r, "message", r))
             for a, r in zip(unique, results, strict=True)
         }
+
+    async def prefill(self, address: str, leg: Leg) -> Prefilled:
+        """Prefill on ``address``; cancelled, the call is cancelled (the worker frees what it holds)."""
+        request = worker_pb2.PrefillRequest(
+            request_id=leg.request_id,
+            prompt_token_ids=leg.prompt_ids,
+            sampling=sampling_to_pb(leg.params),
+            cache_salt=leg.cache_salt,
+        )
+        call = self.stub(address).Prefill(request, timeout=leg.timeout_s)
+        try:
+            r: worker_pb2.PrefillResponse = await call
+        except grpc.aio.AioRpcError as e:
+            raise worker_error(e, address) from None
+        finally:
+            call.cancel()  # a no-op once it has finished; aborts the prefill if we were cancelled
+        if not r.first.token_ids:
+            raise Unavailable(f"prefill worker {address} returned no first token")
+        return Prefilled(
+            delta_from_pb(r.first),
+            handle_from_pb(r.handle) if r.HasField("handle") else None,
+            _finish(r.finish_reason),
+            r.stop_reason,
+            r.usage.completion_tokens,
+            r.usage.cached_tokens,
+            r.prefill_ms,
+        )
+
+    async def decode(
+        self,
+        address: str,
+        leg: Leg,
+        handle: KVHandle | None = None,
+        first_token: int | None = None,
+        resume_token_ids: Sequence[int] = (),
+    ) -> AsyncGenerator[Delta | Decoded, None]:
+        """Decode on ``address``: a `Delta` per message (possibly empty: the first says the KV has
+        landed), then one `Decoded`. With ``handle`` the worker pulls the KV and continues after
+        ``first_token``; with ``resume_token_ids`` it recomputes them first (a migration). Closed
+        early, the call is cancelled and the worker drops the request."""
+        request = worker_pb2.DecodeRequest(
+            request_id=leg.request_id,
+            prompt_token_ids=leg.prompt_ids,
+            sampling=sampling_to_pb(leg.params),
+            cache_salt=leg.cache_salt,
+            resume_token_ids=list(resume_token_ids),
+        )
+        if handle is not None:
+            request.handle.CopyFrom(handle_to_pb(handle))
+            assert first_token is not None
+            request.first_token = first_token
+        last: worker_pb2.DecodeResponse | None = None
+        call = self.stub(address).Decode(request, timeout=leg.timeout_s)
+        try:
+            async for msg in call:
+                yield delta_from_pb(msg.delta)
+                if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    last = msg
+        except grpc.aio.AioRpcError as e:
+            raise worker_error(e, address) from None
+        finally:
+            call.cancel()  # a no-op once it has finished; otherwise the worker aborts and frees blocks
+        if last is None:
+            raise Unavailable(f"decode worker {address} ended the stream without a finish reason")
+        yield Decoded(
+            _finish(last.finish_reason) or FinishReason.STOP,
+            last.stop_reason,
+            last.usage.completion_tokens,
+            last.usage.cached_tokens,
+            last.prefill_ms,
+            last.transfer_ms,
+            last.decode_ms,
+        )
 
     async def abort(self, address: str, request_id: str) -> bool:
         """Aborts a request (or releases its lease) on one worker; False if it failed or was unknown."""

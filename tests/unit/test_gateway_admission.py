@@ -20,7 +20,7 @@ from services.gateway.admission import (
     check_unicode,
     request_id_problem,
 )
-from services.gateway.servicer import lenient_deserializer
+from services.gateway.convert import lenient_deserializer
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,8 @@ from core.errors import (
 from core.sampling_params import SamplingParams
 from services.gateway import metrics
 from services.gateway.admission import Limits, ModelInfo
-from services.gateway.dispatch import MAX_KV_RETRIES, MAX_WORKER_RETRIES, Dispatcher, _Job
+from services.gateway.dispatch import MAX_KV_RETRIES, MAX_WORKER_RETRIES, Dispatcher
+from services.gateway.job import Job as _Job
 from services.gateway.router import Route, StaticRouter
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,6 @@ import pytest
 from baton.v1 import common_pb2, worker_pb2
 from core.sampling_params import SamplingParams
 from services.gateway import metrics
-from services.gateway.dispatch import _as_asked
 from services.gateway.request_stream import Delta, TokenLogprob
 from services.gateway.router import ShadowReport
 from services.gateway.shadow import (
@@ -29,6 +28,8 @@ from services.gateway.shadow import (
     shared_prefix_positions,
     token_agreement,
 )
+from services.gateway.shadow import as_asked as _as_asked
+from services.gateway.worker_clients import WorkerClients
 
 PAIR = {"version": "v1", "shadow_version": "v2"}
 
@@ -121,10 +122,11 @@ class FakeDecode:
         return True
 
 
-class FakeWorkers:
-    """WorkerClients with one scripted Decode per call."""
+class FakeWorkers(WorkerClients):
+    """WorkerClients whose stub gives one scripted Decode per call (its typed calls are the real ones)."""
 
     def __init__(self, *calls: FakeDecode) -> None:
+        super().__init__()
         self.calls = list(calls)
         self.started: list[FakeDecode] = []
 
