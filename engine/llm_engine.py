@@ -13,23 +13,22 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from core.errors import InvalidRequest, ModelLoadError, ServingError
 from core.kv_cache import KVCacheManager
-from core.outputs import FinishReason, RequestOutput, TokenLogprobs
+from core.outputs import FinishReason, RequestOutput
 from core.request import Request, RequestId, RequestStatus
 from core.sampling_params import SamplingParams
 from core.step_scheduler import ScheduledRequest, SchedulerConfig, StepScheduler
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.digests import model_digest
 from engine.loader import load_model, resolve_model_dir
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, kv_block_bytes
+from engine.output_processor import OutputProcessor
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,15 +42,6 @@ class StepHook(Protocol):
     def busy(self) -> bool: ...
 
     def before_step(self) -> None: ...
-
-
-@dataclass(slots=True)
-class _OutputState:
-    detok: IncrementalDetokenizer
-    matcher: StopStringMatcher | None
-    pieces: list[str] = field(default_factory=list)  # the text emitted so far (joined once, at the end)
-    logprobs: list[TokenLogprobs] | None = None
-    continues_elsewhere: bool = False  # a handoff prefill: reaching max_tokens is not the end of the text
 
 
 def _return_freed_memory() -> None:
@@ -108,7 +98,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(
             sorted(set(self.tokenizer.stop_token_ids) | set(self.model_config.eos_token_ids))
         )
-        self._states: dict[RequestId, _OutputState] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self._aborted: list[RequestOutput] = []  # ended between steps: emitted with the next step
         self.step_hooks: list[StepHook] = []
         self._transfer_seconds: dict[RequestId, float] = {}  # landed pulls: start → landed
@@ -163,10 +153,9 @@ class LLMEngine:
         request = self._new_request(request_id, token_ids, params, cache_salt)
         request.kv_lease_id = kv_lease_id
         request.output_token_ids.extend(resumed)
-        self._track(request)
-        self._states[request.request_id].continues_elsewhere = continues_elsewhere
+        self.outputs.track(request, continues_elsewhere)
         if resumed:
-            self._continue_after(request, resumed)
+            self.outputs.replay(request, resumed)
         self.scheduler.add_request(request)
         self._queued_at[request.request_id] = time.monotonic()
         return request
@@ -186,13 +175,13 @@ class LLMEngine:
             request_id, self._check_ids([*prompt_token_ids, first_token]), params, cache_salt
         )
         request.prompt_token_ids.pop()
-        if request.request_id in self.scheduler.requests or request.request_id in self._states:
+        if request.request_id in self.scheduler.requests or request.request_id in self.outputs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         request.output_token_ids.append(first_token)
         if request.num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt + max_tokens exceeds the context of {self.max_model_len} tokens")
-        self._track(request)
-        self._continue_after(request, [first_token])
+        self.outputs.track(request)
+        self.outputs.replay(request, [first_token])
         return request
 
     def admit_landed(self, request: Request, transfer_s: float) -> None:
@@ -207,28 +196,13 @@ class LLMEngine:
         its final output (`FinishReason.CANCELLED`, with ``error``) comes with the next step."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.CANCELLED
-        out = self._make_output(request, self._states.pop(request.request_id), "", [])
+        out = self._timed(self.outputs.ended(request))
         out.error = error
         self._aborted.append(out)
 
     def forget(self, request: Request) -> None:
         """Drops a continued request that could not start (nothing is emitted)."""
-        self._states.pop(request.request_id, None)
-
-    def _continue_after(self, request: Request, sent: list[int]) -> None:
-        """Tokens another worker already streamed become context: their text is not emitted again
-        (a held-back start of a stop string stays held back)."""
-        state = self._states[request.request_id]
-        # Replayed one token at a time, as the first worker saw them: the detokenizer's and the stop
-        # matcher's held-back text then match what the client has exactly.
-        for token in sent:
-            delta = state.detok.add([token])
-            if state.matcher is not None:
-                delta, hit_stop = state.matcher.feed(delta)
-                if hit_stop:
-                    del self._states[request.request_id]
-                    raise InvalidRequest("the tokens already sent complete a stop string: nothing to decode")
-            state.pieces.append(delta)
+        self.outputs.forget(request.request_id)
 
     def kv_layout_fields(self) -> dict[str, object]:
         """What a peer's KV cache must match (see kv_transfer.KVLayout): model, dtype and geometry."""
@@ -283,27 +257,15 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
 
-    def _track(self, request: Request) -> None:
-        params = request.params
-        matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
-        self._states[request.request_id] = _OutputState(
-            detok=IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
-            ),
-            matcher=matcher,
-            logprobs=[] if params.logprobs is not None else None,
-        )
-
     def abort_request(self, request_id: str) -> bool:
         """Stops a request at this step boundary and frees its blocks; its final output (finish_reason
         CANCELLED) comes with the next ``step()``. Returns False if the id is unknown or finished (a
         request whose KV is still being pulled is its `StepHook`'s to abort)."""
         request = self.scheduler.abort(RequestId(request_id))
-        found = self._states.pop(RequestId(request_id), None)
         self._queued_at.pop(RequestId(request_id), None)
-        if request is None or found is None:
+        if request is None or request.request_id not in self.outputs:
             return False
-        self._aborted.append(self._make_output(request, found, "", []))
+        self._aborted.append(self._timed(self.outputs.ended(request)))
         return True
 
     @property
@@ -338,61 +300,15 @@ class LLMEngine:
 
     def _postprocess(self, request: Request, result: RunnerOutput) -> RequestOutput:
         rid = request.request_id
-        state = self._states[rid]
-        token = result.sampled[rid]
-        new_logprobs = None
-        if state.logprobs is not None and rid in result.logprobs:
-            new_logprobs = [result.logprobs[rid]]
-            state.logprobs.append(new_logprobs[0])
-        stopped_by_token = request.finish_reason is FinishReason.STOP and request.stop_reason == token
-        delta = "" if stopped_by_token else state.detok.add([token])
-        # At a handoff (length, more to come on the decode worker) held-back text stays held back.
-        final = request.is_finished and not (
-            state.continues_elsewhere and request.finish_reason is FinishReason.LENGTH
+        out = self.outputs.sampled(
+            request, result.sampled[rid], result.logprobs.get(rid), self.scheduler.finish
         )
-        if final:
-            delta += state.detok.flush()  # a character left incomplete at the end shows as U+FFFD
-        if state.matcher is not None:
-            delta, hit = state.matcher.feed(delta)
-            if hit:
-                if request.is_finished:  # it also hit max_tokens: the stop string is the reason
-                    request.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(request, FinishReason.STOP)
-                request.stop_reason = state.matcher.stop_string
-            elif final and not hit:
-                delta += state.matcher.flush()
-        out = self._make_output(request, state, delta, [token], new_logprobs)
-        if request.is_finished:
-            del self._states[rid]
-        return out
+        return self._timed(out)
 
-    def _make_output(
-        self,
-        request: Request,
-        state: _OutputState,
-        delta: str,
-        new_tokens: list[int],
-        new_logprobs: list[TokenLogprobs] | None = None,
-    ) -> RequestOutput:
-        if delta:
-            state.pieces.append(delta)
-        finished = request.status is RequestStatus.FINISHED
-        out = RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            new_text=delta,
-            new_token_ids=new_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            new_logprobs=new_logprobs if state.logprobs is not None else None,
-            num_cached_tokens=request.num_cached_tokens,
-            queue_s=self._queue_seconds.pop(request.request_id, 0.0) if self._queue_seconds else 0.0,
-            transfer_s=self._transfer_seconds.pop(request.request_id, 0.0) if self._transfer_seconds else 0.0,
-        )
-        if finished:  # the whole output, built once
-            out.finish_reason = request.finish_reason or FinishReason.CANCELLED
-            out.stop_reason = request.stop_reason
-            out.token_ids = list(request.output_token_ids)
-            out.text = "".join(state.pieces)
-            out.logprobs = list(state.logprobs) if state.logprobs is not None else None
+    def _timed(self, out: RequestOutput) -> RequestOutput:
+        """The metrics a request's first output after an event carries (queue wait, KV pull)."""
+        if self._queue_seconds:
+            out.queue_s = self._queue_seconds.pop(RequestId(out.request_id), 0.0)
+        if self._transfer_seconds:
+            out.transfer_s = self._transfer_seconds.pop(RequestId(out.request_id), 0.0)
         return out
