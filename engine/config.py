@@ -2,55 +2,105 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.units import parse_bytes  # noqa: F401  (engine.config.parse_bytes is public)
+from core.units import parse_bytes
 
 if TYPE_CHECKING:
     import torch
 
 # Torch-free at import, so the launcher and the CLI take the choices from here without loading torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 # On CPU a step's time grows with its rows: 4 decodes of the default model take 17 ms alone, 23 ms with
 # 16 prompt tokens, 28 with 32, 36 with 64 (2 threads, docs/ENGINE.md). 32 keeps a decoding stream's
 # gaps under the mission's 30 ms ITL while a prompt that arrives beside it is still prefilled in a
 # few steps; a step without decodes takes the whole budget.
 MIXED_PREFILL_TOKENS_CPU = 32
-QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """How to build one engine. Field names are the CLI flags (``--kv-cache-memory``) and Helm values.
+    """How to build one engine. Field names are the keywords of `LLM`, the Helm values and, kebab-cased,
+    the `baton worker` flags (``--kv-cache-memory``), which `rpc.flags` generates from these fields: each
+    field's ``metadata`` holds its flag's help, choices and parser (plain keys; engine imports no rpc).
 
     The KV cache is sized from ``kv_cache_memory`` (a byte budget) divided by the measured size of one
     block for the loaded model, dtype and block size — never a guessed block count.
     """
 
-    model: str | None = None  # None = the embedded default model
-    device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # auto = bfloat16 on GPU, and on a CPU where it measures faster (else float32)
-    quantization: str = "none"  # none | int8 (weight-only, per output channel): its own model version
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    long_prefill_chunk: int = 512
-    heavy_prefill_chunk: int = (
-        0  # a heavy tenant's prompt tokens per step; 0 = none is heavy (core.step_scheduler)
+    model: str | None = field(
+        default=None, metadata={"help": "HF model directory or .gguf (default: embedded SmolLM2-135M)"}
     )
-    # Prompt tokens a step may carry besides running decodes (their inter-token latency's guard); None =
-    # MIXED_PREFILL_TOKENS_CPU on CPU, no cap on GPU (whose steps barely grow with 512 more rows); 0 = no cap.
-    mixed_prefill_tokens: int | None = None
-    max_model_len: int | None = None  # None = the model's context, capped by what the KV cache holds
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None = torch's default
-    seed: int = 0  # seeds the per-request seeds of requests that bring none
+    device: str = field(default="auto", metadata={"help": "auto = cuda if available, else cpu"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "choices": DTYPES,
+            "help": "weights, activations and KV cache (default auto: bfloat16 on GPU and where this CPU "
+            "runs it faster, else float32)",
+        },
+    )
+    quantization: str = field(
+        default="none",
+        metadata={
+            "choices": QUANTIZATIONS,
+            "help": "int8: weight-only int8 (per output channel) quantized at load; a model version of its own",
+        },
+    )
+    block_size: int = field(default=16, metadata={"choices": BLOCK_SIZES, "help": "tokens per KV block"})
+    kv_cache_memory: int = field(
+        default=1 << 30,
+        metadata={"parse": parse_bytes, "help": "KV cache budget in bytes, e.g. 512MiB or 2GiB"},
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "tokens per engine step (prefill chunks + decodes)"}
+    )
+    long_prefill_chunk: int = field(
+        default=512,
+        metadata={
+            "help": "most prompt tokens one request prefills per step (chunked prefill); set it to the "
+            "context length to turn chunking off"
+        },
+    )
+    # A heavy tenant's prompt tokens per step (core.step_scheduler). A worker sets it by role: its own
+    # heavy_prefill_chunk (services.worker.config) is the flag.
+    heavy_prefill_chunk: int = field(
+        default=0,
+        metadata={
+            "help": "prompt tokens per step of a heavy tenant's prompt, so a light tenant's prompt starts "
+            "soon (0 = no tenant is heavy)"
+        },
+    )
+    # Prompt tokens a step may carry besides running decodes (their inter-token latency's guard): None =
+    # MIXED_PREFILL_TOKENS_CPU on CPU, no cap on GPU (whose steps barely grow with 512 more rows).
+    mixed_prefill_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "most prompt tokens a step adds to running decodes, guarding their inter-token "
+            f"latency (default: {MIXED_PREFILL_TOKENS_CPU} on CPU, no cap on GPU; 0 = no cap)"
+        },
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "longest prompt + output (default: the model's context, capped by the KV cache)"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV blocks of a prompt's prefix computed before"}
+    )
+    num_threads: int | None = field(
+        default=None, metadata={"flag": "threads", "help": "torch intra-op threads (default: torch's)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seeds the per-request seeds of requests that bring none"})
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(
+                f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size}"
+            )
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
         if self.dtype not in DTYPES:

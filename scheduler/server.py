@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -18,10 +18,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
-from rpc.metrics import DEFAULT_MAX_TENANTS, Forward, MetricsEndpoint
+from rpc.flags import add_flags, config_from_args
+from rpc.metrics import Forward, MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
 from scheduler import metrics
+from scheduler.config import SchedulerProcessConfig
 from scheduler.leases import LeaseState
 from scheduler.redis_pipe import RedisPipe
 from scheduler.service import ClusterSchedulerConfig, SchedulerServicer
@@ -154,78 +156,14 @@ async def serve_scheduler(
 
 
 def add_scheduler_parser(sub: Any) -> None:
-    d = {f.name: f.default for f in fields(ClusterSchedulerConfig)}
     p = sub.add_parser("scheduler", help="run a scheduler replica (gRPC; state in Redis)")
-    p.add_argument("--redis-url", default=d["redis_url"])
-    p.add_argument("--host", default=d["host"])
-    p.add_argument("--port", type=int, default=d["port"])
-    p.add_argument("--prefix", default=d["prefix"], help="Redis key prefix (one per cluster)")
-    p.add_argument("--heartbeat-timeout-s", type=float, default=d["heartbeat_timeout_s"])
-    p.add_argument("--lease-ttl-s", type=float, default=d["lease_ttl_s"])
-    p.add_argument("--queue-timeout-s", type=float, default=d["queue_timeout_s"])
-    p.add_argument(
-        "--default-tenant",
-        default=d["default_tenant"],
-        help="tenant of requests without an API key ('' = API keys required)",
-    )
-    p.add_argument(
-        "--accept-any-key",
-        action="store_true",
-        help="unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)",
-    )
-    p.add_argument("--local-prefill-threshold", type=int, default=d["local_prefill_threshold"])
-    p.add_argument(
-        "--max-prefill-queue",
-        type=int,
-        default=d["max_prefill_queue"],
-        help="prompts a prefill worker holds (prefilling or queued) before requests wait here",
-    )
-    p.add_argument(
-        "--max-decode-queue",
-        type=int,
-        default=d["max_decode_queue"],
-        help="requests a decode worker holds waiting or pulling before requests wait here",
-    )
-    p.add_argument(
-        "--burst-credit-tokens",
-        type=float,
-        default=d["burst_credit_tokens"],
-        help="fair queue: tokens a tenant that asked for less recently than the next waiter may go "
-        "ahead by, and the most debt one served while nobody waited keeps (0 = plain VTC)",
-    )
-    p.add_argument(
-        "--local-when-prefill-full",
-        action="store_true",
-        help="every prefill worker's queue full: prefill on the decode worker instead of waiting",
-    )
-    p.add_argument(
-        "--light-local-max-tokens",
-        type=int,
-        default=d["light_local_max_tokens"],
-        help="every prefill worker busy: a light tenant's prompt up to this long prefills on the "
-        "decode worker rather than wait for a heavier tenant's prefill (default 0: never)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)",
-    )
-    p.add_argument(
-        "--metrics-max-tenants",
-        type=int,
-        default=DEFAULT_MAX_TENANTS,
-        help="tenants with a metrics label of their own; later ones are 'other' (default: %(default)s)",
-    )
-    p.set_defaults(func=run_scheduler)
+    add_flags(p, SchedulerProcessConfig)
+    p.set_defaults(func=run_scheduler, parser=p)
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    names = {f.name for f in fields(ClusterSchedulerConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values["default_tenant"] = values.get("default_tenant") or None
-    metrics_port = None if args.metrics_port < 0 else args.metrics_port
-    asyncio.run(_serve_until_signal(ClusterSchedulerConfig(**values), metrics_port, args.metrics_max_tenants))
+    config = config_from_args(SchedulerProcessConfig, args, args.parser)
+    asyncio.run(_serve_until_signal(config.scheduler, config.metrics_port, config.metrics_max_tenants))
     return 0
 
 

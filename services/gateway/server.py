@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
 from core.units import parse_bytes
 from engine.tokenizer import Tokenizer
+from rpc.flags import add_flags, config_from_args
 from rpc.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
@@ -45,33 +46,101 @@ GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 HEALTH_PROBE_INTERVAL_S = 5.0
 
 
+def _addresses(text: str) -> tuple[str, ...]:
+    items = tuple(a.strip() for a in text.split(",") if a.strip())
+    for a in items:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"not a host:port address: {a!r}")
+    return items
+
+
+def _address(text: str) -> str:
+    items = _addresses(text)
+    if len(items) != 1:
+        raise argparse.ArgumentTypeError(f"expected one host:port address, got {text!r}")
+    return items[0]
+
+
+def _help(text: str, **meta: Any) -> dict[str, Any]:
+    return {"help": text, **meta}
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    """Everything the gateway is started with; field names are the `baton gateway` flags."""
+    """Everything the gateway is started with; field names are the `baton gateway` flags (`rpc.flags`)."""
 
-    model: str | None = None  # model dir or .gguf for the tokenizer; None = the default model
-    served_model_name: str | None = None  # None = the name the workers serve
+    model: str | None = field(
+        default=None, metadata=_help("model dir or .gguf for the tokenizer (default: the default model)")
+    )
+    served_model_name: str | None = field(
+        default=None, metadata=_help("the model's public name (default: the workers')")
+    )
     host: str = "127.0.0.1"
-    grpc_port: int = 50051  # 0 = any free port
-    http_port: int = 8000  # 0 = any free port
-    scheduler: str | None = None  # host:port of the cluster scheduler; None = static placement
-    scheduler_timeout: float = 30.0  # longest a Place may take (it may queue for capacity)
-    prefill_workers: tuple[str, ...] = ()  # static placement only
-    decode_workers: tuple[str, ...] = ()
-    local_prefill_threshold: int = 32  # static: prompts shorter than this are prefilled on the decode worker
-    max_migrations: int = 2  # decodes moved to another worker mid-stream before a request fails
-    max_prompt_tokens: int | None = None  # None = the model's context
-    max_output_tokens: int = 4096
-    max_request_bytes: int = 4 << 20
-    max_streams_per_connection: int = 128
-    max_session_requests: int = 64
-    max_buffered_tokens: int = 1024  # tokens a client may leave unread before its request fails
-    startup_timeout: float = 120.0  # seconds to wait for every worker (or the scheduler's first) to answer
-    tokenizer_threads: int = 2
-    max_shadow_requests: int = 16  # shadow requests in flight at once; more are skipped
-    shadow_timeout: float = 120.0  # longest a shadow request may run, seconds
-    metrics_max_tenants: int = (
-        DEFAULT_MAX_TENANTS  # tenants with a metrics label of their own; the rest "other"
+    grpc_port: int = field(default=50051, metadata=_help("gRPC port (0 = any free port)"))
+    http_port: int = field(
+        default=8000, metadata=_help("HTTP port: OpenAI API, /health, /metrics (0 = any free port)")
+    )
+    scheduler: str | None = field(
+        default=None,
+        metadata=_help(
+            "host:port of the cluster scheduler, which places every request (default: none, static "
+            "placement)",
+            parse=_address,
+        ),
+    )
+    scheduler_timeout: float = field(
+        default=30.0, metadata=_help("seconds a placement may take, queueing included")
+    )
+    prefill_workers: tuple[str, ...] = field(
+        default=(), metadata=_help("without a scheduler: host:port,... of prefill workers", parse=_addresses)
+    )
+    decode_workers: tuple[str, ...] = field(
+        default=(), metadata=_help("without a scheduler: host:port,... of decode workers", parse=_addresses)
+    )
+    local_prefill_threshold: int = field(
+        default=32,
+        metadata=_help(
+            "without a scheduler: prompts shorter than this many tokens are prefilled on the decode worker"
+        ),
+    )
+    max_migrations: int = field(
+        default=2,
+        metadata=_help("times a request's decode may move to another worker after its worker failed"),
+    )
+    max_prompt_tokens: int | None = field(
+        default=None, metadata=_help("most prompt tokens a request may bring (default: the model's context)")
+    )
+    max_output_tokens: int = field(default=4096, metadata=_help("most tokens one request may generate"))
+    max_request_bytes: int = field(
+        default=4 << 20,
+        metadata=_help("largest gRPC message or HTTP body accepted, e.g. 4MiB", parse=parse_bytes),
+    )
+    max_streams_per_connection: int = field(
+        default=128, metadata=_help("concurrent gRPC streams per client connection")
+    )
+    max_session_requests: int = field(default=64, metadata=_help("requests in flight per gRPC Session"))
+    max_buffered_tokens: int = field(
+        default=1024,
+        metadata=_help("tokens a client may leave unread before its request fails (slow reader)"),
+    )
+    startup_timeout: float = field(
+        default=120.0,
+        metadata=_help(
+            "seconds to wait for the workers (or a worker registered with the scheduler) at start-up"
+        ),
+    )
+    tokenizer_threads: int = field(
+        default=2, metadata=_help("threads that tokenize and apply chat templates")
+    )
+    max_shadow_requests: int = field(
+        default=16,
+        metadata=_help("shadow requests (mirrored to a candidate version) in flight; more are skipped"),
+    )
+    shadow_timeout: float = field(default=120.0, metadata=_help("seconds a shadow request may run"))
+    metrics_max_tenants: int = field(
+        default=DEFAULT_MAX_TENANTS,
+        metadata=_help("tenants with a metrics label of their own; later ones are counted as 'other'"),
     )
 
     def __post_init__(self) -> None:
@@ -103,102 +172,14 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def _addresses(text: str) -> tuple[str, ...]:
-    items = tuple(a.strip() for a in text.split(",") if a.strip())
-    for a in items:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit():
-            raise argparse.ArgumentTypeError(f"not a host:port address: {a!r}")
-    return items
-
-
-def _address(text: str) -> str:
-    items = _addresses(text)
-    if len(items) != 1:
-        raise argparse.ArgumentTypeError(f"expected one host:port address, got {text!r}")
-    return items[0]
-
-
-_INT_FLAGS = {
-    "max_output_tokens": "most tokens one request may generate",
-    "max_request_bytes": "largest gRPC message or HTTP body accepted, e.g. 4MiB",
-    "max_streams_per_connection": "concurrent gRPC streams per client connection",
-    "max_session_requests": "requests in flight per gRPC Session",
-    "max_buffered_tokens": "tokens a client may leave unread before its request fails (slow reader)",
-    "tokenizer_threads": "threads that tokenize and apply chat templates",
-    "max_migrations": "times a request's decode may move to another worker after its worker failed",
-    "max_shadow_requests": "shadow requests (mirrored to a candidate version) in flight; more are skipped",
-    "metrics_max_tenants": "tenants with a metrics label of their own; later ones are counted as 'other'",
-}
+        return config_from_args(cls, args, getattr(args, "parser", None))
 
 
 def add_gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Registers `baton gateway`."""
-    d = GatewayConfig.__dataclass_fields__
     p = sub.add_parser("gateway", help="serve the gRPC and OpenAI HTTP APIs in front of the workers")
-    p.add_argument(
-        "--model", default=None, help="model dir or .gguf for the tokenizer (default: the default model)"
-    )
-    p.add_argument(
-        "--served-model-name", default=None, help="the model's public name (default: the workers')"
-    )
-    p.add_argument("--host", default=d["host"].default)
-    p.add_argument("--grpc-port", type=int, default=d["grpc_port"].default)
-    p.add_argument("--http-port", type=int, default=d["http_port"].default)
-    p.add_argument(
-        "--scheduler",
-        type=_address,
-        default=None,
-        help="host:port of the cluster scheduler, which places every request",
-    )
-    p.add_argument(
-        "--scheduler-timeout",
-        type=float,
-        default=d["scheduler_timeout"].default,
-        help="seconds a placement may take, queueing included (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prefill-workers",
-        type=_addresses,
-        default=(),
-        help="without a scheduler: host:port,... of prefill workers",
-    )
-    p.add_argument(
-        "--decode-workers",
-        type=_addresses,
-        default=(),
-        help="without a scheduler: host:port,... of decode workers",
-    )
-    p.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=d["local_prefill_threshold"].default,
-        help="without a scheduler: prompts shorter than this many tokens are prefilled on the decode worker",
-    )
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
-    for name, what in _INT_FLAGS.items():
-        p.add_argument(
-            "--" + name.replace("_", "-"),
-            type=parse_bytes if name == "max_request_bytes" else int,
-            default=d[name].default,
-            help=f"{what} (default: %(default)s)",
-        )
-    p.add_argument(
-        "--shadow-timeout",
-        type=float,
-        default=d["shadow_timeout"].default,
-        help="seconds a shadow request may run (default: %(default)s)",
-    )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=d["startup_timeout"].default,
-        help="seconds to wait for the workers (or a worker registered with the scheduler) at start-up",
-    )
-    p.set_defaults(func=run_gateway)
+    add_flags(p, GatewayConfig)
+    p.set_defaults(func=run_gateway, parser=p)
 
 
 class GatewayServer:
@@ -478,9 +459,6 @@ async def _serve_until_signal(config: GatewayConfig) -> None:
 
 def run_gateway(args: argparse.Namespace) -> int:
     """`baton gateway`: serves until SIGINT or SIGTERM."""
-    try:
-        config = GatewayConfig.from_args(args)
-    except ValueError as e:
-        raise SystemExit(f"baton gateway: {e}") from None
+    config = GatewayConfig.from_args(args)  # a config it rejects: exit 2 with the message
     asyncio.run(_serve_until_signal(config))
     return 0

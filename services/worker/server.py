@@ -26,7 +26,6 @@ from core.errors import RoleMismatch
 from decode_worker.handoff import DecodeHandoff
 from decode_worker.rpc import DecodeRPC
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer.transport import KVTransport, make_transport
 from prefill_worker.handoff import PrefillHandoff, kv_layout
@@ -217,22 +216,9 @@ class WorkerServer:
 
 async def serve_worker(config: WorkerConfig) -> WorkerServer:
     """Loads the engine, binds the port, registers the KV cache, and starts serving (health SERVING)."""
-    engine_config = EngineConfig(
-        model=config.model,
-        kv_cache_memory=config.kv_cache_memory,
-        dtype=config.dtype,
-        quantization=config.quantization,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        long_prefill_chunk=config.long_prefill_chunk,
-        heavy_prefill_chunk=config.heavy_prefill_chunk or 0,
-        mixed_prefill_tokens=config.mixed_prefill_tokens,
-        num_threads=config.threads,
-    )
     # Every torch op, the engine's construction and the KV cache's registration included, runs on the
     # engine thread (see AsyncEngine.launch).
-    aengine = await AsyncEngine.launch(lambda: LLMEngine(engine_config), config.max_pending_outputs)
+    aengine = await AsyncEngine.launch(lambda: LLMEngine(config.engine), config.max_pending_outputs)
     try:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         port = server.add_insecure_port(f"{config.host}:{config.port}")

@@ -7,46 +7,24 @@ import json
 import os
 import re
 import signal
-import subprocess
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import launch_baton_up
+from harness import BatonUp, start_baton_up
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
+
+def start_up(tmp: Path, *extra: str) -> BatonUp:
+    return start_baton_up(tmp / "logs", "--kv-cache-memory", "64MiB", *extra)
 
 
-@dataclass
-class Up:
-    proc: subprocess.Popen[str]
-    http: str
-    grpc: str
-    banner: str
-
-    def children(self) -> list[int]:
-        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def start_up(tmp: Path, *extra: str) -> Up:
-    proc, text = launch_baton_up(tmp / "logs", "--kv-cache-memory", "64MiB", *extra)
-    http = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
-    grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
-    if not (http and grpc_addr):
-        proc.kill()
-        raise AssertionError(f"baton up did not become ready:\n{text}")
-    return Up(proc, http.group(1), grpc_addr.group(1), text)
-
-
-def stop_up(up: Up) -> None:
+def stop_up(up: BatonUp) -> None:
     children = up.children()
     up.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
     assert up.proc.wait(30) == 0, "baton up did not exit cleanly on Ctrl-C"
@@ -56,27 +34,17 @@ def stop_up(up: Up) -> None:
         )
 
 
-def shut_down(up: Up) -> None:
-    """After a failed test: Ctrl-C first (so the launcher stops its children), then SIGKILL."""
-    if up.proc.poll() is None:
-        up.proc.send_signal(signal.SIGINT)
-        try:
-            up.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            up.proc.kill()
-
-
 @pytest.fixture(scope="module")
-def tiny_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def tiny_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatonUp]:
     up = start_up(tmp_path_factory.mktemp("up"), "--model", str(tiny_llama), "--kv-transport", "tcp")
     try:
         yield up
     finally:
-        shut_down(up)
+        up.shut_down()  # after a failed test: Ctrl-C first, then SIGKILL
 
 
 def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(
-    tiny_up: Up, tiny_llama: Path
+    tiny_up: BatonUp, tiny_llama: Path
 ) -> None:
     from core.sampling_params import SamplingParams
     from engine import LLM
@@ -151,4 +119,4 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
         assert "Paris" in text
         stop_up(up)
     finally:
-        shut_down(up)
+        up.shut_down()

@@ -14,39 +14,43 @@ cancellation bus, and a gateway that places every request with the scheduler.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import harness
 import pytest
-from gateway_harness import (
+from harness import (
+    SLACK_S,
     GatewayThread,
     SchedulerProcess,
     SessionClient,
     WorkerProcess,
+    eventually,
+    free_port,
     grpc_generate,
     http_json,
+    metric,
+    on_redis,
 )
 
 from baton.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from core.sampling_params import SamplingParams
 from scheduler.redis_server import RedisServer
-from services.gateway.metrics import REGISTRY
-from services.gateway.server import GatewayConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
 HEARTBEAT_TIMEOUT_S = 2.0  # the scheduler's; workers heartbeat every third of it
 MIGRATE_TOKENS = 450  # long enough that every stream is still running when its worker dies
 NUM_STREAMS = 8
 PREFILL_TOKENS = 16
 LONG_PROMPT_WORDS = 200  # about 250 tokens
+# A probe's Place answers in milliseconds when a worker is free; 2 s lets a busy scheduler answer too.
+PROBE_TIMEOUT_S = 2.0
 
 
 def _prompt(i: int) -> str:
@@ -62,19 +66,6 @@ def greedy(max_tokens: int) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-def metric(name: str, labels: dict[str, str] | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
-
-
-def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Seconds until ``check()`` holds; fails naming ``what`` after ``timeout_s``."""
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 # --- the cluster -----------------------------------------------------------------------------------
 
 
@@ -87,16 +78,13 @@ def redis() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def scheduler(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SchedulerProcess]:
-    with socket.socket() as s:  # a fixed port, so that a test can restart it where workers look for it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # A burst is dispatched to the workers at once (no prefill admission limit), so that a worker dies
     # with work queued on it; the admission limits are unit-tested and measured by the Tenancy benchmark.
     proc = SchedulerProcess(
         redis.url,
         tmp_path_factory.mktemp("scheduler"),
         "--port",
-        str(port),
+        str(free_port()),  # a fixed port, so that a test can restart it where workers look for it
         "--heartbeat-timeout-s",
         str(HEARTBEAT_TIMEOUT_S),
         "--local-prefill-threshold",
@@ -111,65 +99,32 @@ def scheduler(redis: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> I
         proc.stop()
 
 
-class Cluster:
-    """Workers registered with the module's scheduler, and a gateway that places through it."""
+class Cluster(harness.Cluster):
+    """Workers registered with the module's scheduler (which outlives them), and a gateway that places
+    through it."""
 
     def __init__(self, scheduler: SchedulerProcess, redis: RedisServer, model: Path, log_dir: Path) -> None:
-        self.scheduler, self.redis, self.model, self.log_dir = scheduler, redis, model, log_dir
-        self.workers: list[WorkerProcess] = []
-        self.gateway: GatewayThread | None = None
+        super().__init__(redis.url, log_dir, scheduler=scheduler)
+        self.redis, self.model = redis, model
 
     def start(self, *roles: str, flags: tuple[str, ...] = ()) -> GatewayThread:
-        self.workers = [
-            WorkerProcess(
-                role,
-                self.model,
-                self.log_dir,
-                "--kv-transport",
-                "tcp",
-                "--scheduler",
-                self.scheduler.address,
-                "--redis-url",
-                self.redis.url,
-                *flags,
-            )
-            for role in roles
-        ]
-        deadline = time.monotonic() + 120
-        for worker in self.workers:
-            worker.wait_ready(deadline)
-        eventually(lambda: self.scheduler.num_workers() == len(roles), 30, "workers registered")
-        self.gateway = GatewayThread(
-            GatewayConfig(
-                scheduler=self.scheduler.address,
-                model=str(self.model),
-                grpc_port=0,
-                http_port=0,
-                max_output_tokens=MIGRATE_TOKENS + 50,
-                startup_timeout=60,
-                max_session_requests=32,
-            )
-        )
-        return self.gateway
+        self.add_workers(self.model, *roles, flags=flags)
+        return self.start_gateway(self.model, max_output_tokens=MIGRATE_TOKENS + 50, max_session_requests=32)
 
     def stop(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
-        for worker in self.workers:
-            worker.stop()
+        super().stop()
         # The next test starts from an empty placement (stopped workers drain, then expire).
-        eventually(lambda: self.scheduler.num_workers() == 0, HEARTBEAT_TIMEOUT_S + 5, "workers expired")
+        eventually(
+            lambda: self.scheduler.num_workers() == 0, HEARTBEAT_TIMEOUT_S + SLACK_S, "workers expired"
+        )
 
 
 @pytest.fixture
 def cluster(
     scheduler: SchedulerProcess, redis: RedisServer, tiny_llama: Path, tmp_path: Path
 ) -> Iterator[Cluster]:
-    c = Cluster(scheduler, redis, tiny_llama, tmp_path)
-    try:
+    with Cluster(scheduler, redis, tiny_llama, tmp_path) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -233,18 +188,9 @@ class Streams:
 
 def set_draining(redis_url: str, address: str, draining: bool) -> None:
     """Sets the scheduler's drain flag of a worker: placement sends it no new requests while set."""
-    import redis.asyncio as aioredis
-
     from scheduler.registry import WorkerRegistry
 
-    async def run() -> None:
-        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        try:
-            assert await WorkerRegistry(client).set_draining(address, draining)
-        finally:
-            await client.aclose()
-
-    asyncio.run(run())
+    assert on_redis(redis_url, lambda client: WorkerRegistry(client).set_draining(address, draining))
 
 
 def probe_place(scheduler: SchedulerProcess, exclude: str = "") -> str:
@@ -260,7 +206,7 @@ def probe_place(scheduler: SchedulerProcess, exclude: str = "") -> str:
                 max_tokens=1,
                 exclude_workers=[exclude] if exclude else [],
             ),
-            timeout=0.5,
+            timeout=PROBE_TIMEOUT_S,
         )
     except grpc.RpcError:
         return ""
@@ -274,50 +220,39 @@ def steer(cluster: Cluster, to: WorkerProcess, away: WorkerProcess) -> None:
     """New requests go to ``to``: ``away`` is drained until the next steer (placement reads the flag)."""
     set_draining(cluster.redis.url, away.address, True)
     set_draining(cluster.redis.url, to.address, False)
-    eventually(lambda: probe_place(cluster.scheduler) == to.address, 5, "the scheduler sees the drain flags")
+    eventually(
+        lambda: probe_place(cluster.scheduler) == to.address,
+        5 + SLACK_S,
+        "the scheduler sees the drain flags",
+    )
 
 
 def ledgers(redis_url: str) -> dict[str, Any]:
     """What the scheduler's ledgers say: leases ever pinned, leases still active, cancels published,
     and the default tenant's requests in flight."""
-    import redis.asyncio as aioredis
-
     from scheduler.leases import LeaseLedger, LeaseState
     from scheduler.quota import QuotaLedger
     from scheduler.tenants import TenantDirectory
 
-    async def run() -> dict[str, Any]:
-        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        try:
-            leases = LeaseLedger(client)
-            counts, totals = await leases.counts(), await leases.totals()
-            tenant = await TenantDirectory(client).get_tenant("default")
-            assert tenant is not None
-            return {
-                "pinned_ever": totals[LeaseState.PINNED],
-                "active": counts[LeaseState.PINNED] + counts[LeaseState.PULLING],
-                "ended": {s.value: counts[s] for s in LeaseState if not s.active},
-                "in_flight": (await QuotaLedger(client).usage(tenant)).concurrent,
-            }
-        finally:
-            await client.aclose()
+    async def read(client: Any) -> dict[str, Any]:
+        leases = LeaseLedger(client)
+        counts, totals = await leases.counts(), await leases.totals()
+        tenant = await TenantDirectory(client).get_tenant("default")
+        assert tenant is not None
+        return {
+            "pinned_ever": totals[LeaseState.PINNED],
+            "active": counts[LeaseState.PINNED] + counts[LeaseState.PULLING],
+            "ended": {s.value: counts[s] for s in LeaseState if not s.active},
+            "in_flight": (await QuotaLedger(client).usage(tenant)).concurrent,
+        }
 
-    return asyncio.run(run())
+    return on_redis(redis_url, read)
 
 
 def is_cancelled(redis_url: str, request_id: str) -> bool:
-    import redis.asyncio as aioredis
-
     from scheduler.cancel import CancellationBus
 
-    async def run() -> bool:
-        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        try:
-            return await CancellationBus(client).is_cancelled(request_id)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(run())
+    return on_redis(redis_url, lambda client: CancellationBus(client).is_cancelled(request_id))
 
 
 def settled(redis_url: str) -> dict[str, Any]:
@@ -402,7 +337,9 @@ def test_streams_of_a_killed_decode_worker_migrate(
     assert metric("baton_gateway_migrations_total") == before + len(on_victim)
 
     # The dead worker leaves placement by itself; requests then never go there.
-    left_s = eventually(lambda: cluster.scheduler.num_workers() == 2, HEARTBEAT_TIMEOUT_S + 2, "eviction")
+    left_s = eventually(
+        lambda: cluster.scheduler.num_workers() == 2, HEARTBEAT_TIMEOUT_S + SLACK_S, "eviction"
+    )
     left_s = time.monotonic() - killed_at
     ids, text, _ = grpc_generate(
         gw, gateway_pb2.GenerateRequest(prompt=_prompt(0), sampling=greedy(MIGRATE_TOKENS))
@@ -439,16 +376,19 @@ def test_prefills_of_a_killed_prefill_worker_run_on_the_other(
     rids = [f"p{i}" for i in range(NUM_STREAMS)]
     for rid, prompt in zip(rids, offline["long_prompts"], strict=True):
         streams.start(rid, prompt, greedy(PREFILL_TOKENS))
-    victim = None
-    deadline = time.monotonic() + 10
-    while victim is None:
-        assert time.monotonic() < deadline, "no prefill worker ever had prefills queued"
+    found: list[tuple[WorkerProcess, int]] = []
+
+    def queued_on_one() -> bool:
         for worker in prefills:
             info = worker.info()
             if info.num_running + info.num_waiting >= 2:
-                victim = worker
-                break
-    queued = info.num_running + info.num_waiting
+                found.append((worker, info.num_running + info.num_waiting))
+                return True
+        return False
+
+    # Polled without a pause: the prefills stay queued only while the burst is prefilled.
+    eventually(queued_on_one, 10, "no prefill worker ever had prefills queued", interval_s=0)
+    victim, queued = found[0]
     victim.kill()
 
     streams.finish()

@@ -17,16 +17,21 @@ from typing import Any
 
 import grpc
 import pytest
-from gateway_harness import (
+from harness import (
+    Cluster,
     GatewayThread,
     SchedulerProcess,
     SessionClient,
     WorkerProcess,
+    add_tenants,
+    eventually,
     grpc_generate,
     grpc_raw_cancel,
     grpc_raw_generate,
     grpc_raw_session,
     http_json,
+    metric,
+    running_workers,
     sse_events,
 )
 
@@ -54,16 +59,9 @@ TINY_KEY = "sk-test-tiny"  # a tenant allowed one request at a time
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
-    log_dir = tmp_path_factory.mktemp("gateway-workers")
-    procs = {role: WorkerProcess(role, tiny_llama, log_dir) for role in ("prefill", "decode", "both")}
-    try:
-        deadline = time.monotonic() + 120
-        for proc in procs.values():
-            proc.wait_ready(deadline)
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
+    roles = ("prefill", "decode", "both")
+    with running_workers(tiny_llama, tmp_path_factory.mktemp("gateway-workers"), *roles) as procs:
+        yield dict(zip(roles, procs, strict=True))
 
 
 def _config(tiny_llama: Path, **kw: Any) -> GatewayConfig:
@@ -81,23 +79,21 @@ def _config(tiny_llama: Path, **kw: Any) -> GatewayConfig:
 
 @pytest.fixture(scope="module")
 def disaggregated(workers: dict[str, WorkerProcess], tiny_llama: Path) -> Iterator[GatewayThread]:
-    gw = GatewayThread(
+    with GatewayThread(
         _config(
             tiny_llama,
             prefill_workers=(workers["prefill"].address,),
             decode_workers=(workers["decode"].address,),
             local_prefill_threshold=0,
         )
-    )
-    yield gw
-    gw.stop()
+    ) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
 def colocated(workers: dict[str, WorkerProcess], tiny_llama: Path) -> Iterator[GatewayThread]:
-    gw = GatewayThread(_config(tiny_llama, decode_workers=(workers["both"].address,)))
-    yield gw
-    gw.stop()
+    with GatewayThread(_config(tiny_llama, decode_workers=(workers["both"].address,))) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
@@ -124,69 +120,50 @@ def offline(tiny_llama: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def short_prompts_local(workers: dict[str, WorkerProcess], tiny_llama: Path) -> Iterator[GatewayThread]:
     """P and D configured, but every prompt is under the threshold: D prefills it itself."""
-    gw = GatewayThread(
+    with GatewayThread(
         _config(
             tiny_llama,
             prefill_workers=(workers["prefill"].address,),
             decode_workers=(workers["decode"].address,),
             local_prefill_threshold=10_000,
         )
-    )
-    yield gw
-    gw.stop()
+    ) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
 def scheduler(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SchedulerProcess]:
     """A real redis-server and `baton scheduler`, a prefill and a decode worker registered there, and
     two API keys: one of the default tenant, one of a tenant allowed a single request at a time."""
-    import redis.asyncio as aioredis
-
     from scheduler.redis_server import RedisServer
-    from scheduler.tenants import TenantConfig, TenantDirectory
+    from scheduler.tenants import TenantConfig
 
-    log_dir = tmp_path_factory.mktemp("scheduled")
-    with RedisServer() as redis:
-        proc = SchedulerProcess(redis.url, log_dir, "--local-prefill-threshold", "1")
-        workers: list[WorkerProcess] = []
-        try:
-            proc.wait_ready(time.monotonic() + 60)
-            workers = [
-                WorkerProcess(
-                    role, tiny_llama, log_dir, "--scheduler", proc.address, "--redis-url", redis.url
-                )
-                for role in ("prefill", "decode")
-            ]
-            for worker in workers:
-                worker.wait_ready(time.monotonic() + 120)
-
-            async def add_keys() -> None:
-                client = aioredis.Redis.from_url(redis.url, decode_responses=True)
-                tenants = TenantDirectory(client)
-                while await tenants.get_tenant("default") is None:  # the scheduler creates it at start
-                    await asyncio.sleep(0.05)
-                await tenants.add_tenant(TenantConfig("tiny", max_concurrent=1))
-                await tenants.add_api_key(API_KEY, "default")
-                await tenants.add_api_key(TINY_KEY, "tiny")
-                await client.aclose()
-
-            asyncio.run(add_keys())
-            yield proc
-        finally:
-            for worker in workers:
-                worker.stop()
-            proc.stop()
+    with (
+        RedisServer() as redis,
+        Cluster(redis.url, tmp_path_factory.mktemp("scheduled"), "--local-prefill-threshold", "1") as c,
+    ):
+        c.add_workers(tiny_llama, "prefill", "decode", kv_transport=None)
+        add_tenants(
+            redis.url, [TenantConfig("tiny", max_concurrent=1)], {API_KEY: "default", TINY_KEY: "tiny"}
+        )
+        yield c.scheduler
 
 
 @pytest.fixture(scope="module")
 def scheduled(scheduler: SchedulerProcess, tiny_llama: Path) -> Iterator[GatewayThread]:
-    gw = GatewayThread(_config(tiny_llama, scheduler=scheduler.address))
-    gw.disaggregated = True  # every prompt is over the scheduler's local-prefill threshold
-    yield gw
-    gw.stop()
+    with GatewayThread(_config(tiny_llama, scheduler=scheduler.address)) as gw:
+        gw.disaggregated = True  # every prompt is over the scheduler's local-prefill threshold
+        yield gw
 
 
-@pytest.fixture(params=["disaggregated", "colocated", "short_prompts_local", "scheduled"])
+@pytest.fixture(
+    params=[
+        "disaggregated",
+        "colocated",
+        "short_prompts_local",
+        pytest.param("scheduled", marks=pytest.mark.redis),
+    ]
+)
 def gateway(request: pytest.FixtureRequest) -> GatewayThread:
     gw: GatewayThread = request.getfixturevalue(request.param)
     return gw
@@ -312,26 +289,19 @@ def test_start_up_waits_for_workers_then_fails_clearly(tiny_llama: Path) -> None
 
 
 def test_a_dead_worker_makes_health_503_and_requests_unavailable(tiny_llama: Path, tmp_path: Path) -> None:
-    worker = WorkerProcess("both", tiny_llama, tmp_path)
-    try:
-        worker.wait_ready(time.monotonic() + 120)
-        gw = GatewayThread(_config(tiny_llama, decode_workers=(worker.address,)))
-        try:
-            assert http_json(gw, "/health")[0] == 200
-            worker.stop()
-            status, _, body = http_json(gw, "/health")
-            assert (
-                status == 503 and body["status"] == "unavailable" and body["workers"][worker.address] != "ok"
-            )
-            status, _, out = http_json(gw, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
-            assert status == 503 and out["error"]["type"] == "unavailable", out
-            with pytest.raises(grpc.RpcError) as info:
-                grpc_generate(gw, gateway_pb2.GenerateRequest(prompt="a b", sampling=greedy(2)))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and worker.address in info.value.details()
-        finally:
-            gw.stop()
-    finally:
+    with (
+        running_workers(tiny_llama, tmp_path, "both") as (worker,),
+        GatewayThread(_config(tiny_llama, decode_workers=(worker.address,))) as gw,
+    ):
+        assert http_json(gw, "/health")[0] == 200
         worker.stop()
+        status, _, body = http_json(gw, "/health")
+        assert status == 503 and body["status"] == "unavailable" and body["workers"][worker.address] != "ok"
+        status, _, out = http_json(gw, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
+        assert status == 503 and out["error"]["type"] == "unavailable", out
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_generate(gw, gateway_pb2.GenerateRequest(prompt="a b", sampling=greedy(2)))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and worker.address in info.value.details()
 
 
 def test_a_failed_kv_transfer_is_retried_with_a_fresh_prefill(
@@ -340,35 +310,29 @@ def test_a_failed_kv_transfer_is_retried_with_a_fresh_prefill(
     """The first prefill worker's leases expire before D can pull (a real KVTransferFailed on D); the
     gateway releases that lease, prefills again on the next worker, and the client's stream goes on
     from the first token it already has: the output still equals the offline one."""
-    from services.gateway.metrics import REGISTRY
-
-    expiring = WorkerProcess("prefill", tiny_llama, tmp_path, "--lease-ttl-s", "0.001")
-    try:
-        expiring.wait_ready(time.monotonic() + 120)
-        gw = GatewayThread(
+    with (
+        running_workers(tiny_llama, tmp_path, "prefill", flags=("--lease-ttl-s", "0.001")) as (expiring,),
+        GatewayThread(
             _config(
                 tiny_llama,
                 prefill_workers=(expiring.address, workers["prefill"].address),
                 decode_workers=(workers["decode"].address,),
                 local_prefill_threshold=0,
             )
+        ) as gw,
+    ):
+        before = metric("baton_gateway_kv_transfer_retries_total")
+        ids, text, completion = grpc_generate(
+            gw, gateway_pb2.GenerateRequest(prompt=PROMPTS[2], sampling=greedy())
         )
-        try:
-            before = REGISTRY.get_sample_value("baton_gateway_kv_transfer_retries_total") or 0.0
-            ids, text, completion = grpc_generate(
-                gw, gateway_pb2.GenerateRequest(prompt=PROMPTS[2], sampling=greedy())
-            )
-            assert (ids, text) == offline["prompts"][2]
-            assert completion.usage.completion_tokens == len(ids)
-            assert REGISTRY.get_sample_value("baton_gateway_kv_transfer_retries_total") == before + 1
-            for worker in (expiring, workers["prefill"], workers["decode"]):
-                worker.wait_all_free()
-        finally:
-            gw.stop()
-    finally:
-        expiring.stop()
+        assert (ids, text) == offline["prompts"][2]
+        assert completion.usage.completion_tokens == len(ids)
+        assert metric("baton_gateway_kv_transfer_retries_total") == before + 1
+        for worker in (expiring, workers["prefill"], workers["decode"]):
+            worker.wait_all_free()
 
 
+@pytest.mark.redis
 def test_scheduler_verdicts_reach_the_client(scheduled: GatewayThread, scheduler: SchedulerProcess) -> None:
     """API keys from `Authorization: Bearer`, `x-api-key` and gRPC metadata; an unknown key is 401 /
     UNAUTHENTICATED; a tenant over its concurrency quota gets 429 with Retry-After / RESOURCE_EXHAUSTED;
@@ -408,10 +372,12 @@ def test_scheduler_verdicts_reach_the_client(scheduled: GatewayThread, scheduler
         list(scheduled.stub.Generate(request, timeout=30, metadata=(("x-api-key", TINY_KEY),)))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     held.cancel()
-    deadline = time.monotonic() + 10  # the gateway's Finish gives the tenant its slot back
-    while http_json(scheduled, "/v1/completions", body, headers={"x-api-key": TINY_KEY})[0] != 200:
-        assert time.monotonic() < deadline, "the tenant's slot was not given back"
-        time.sleep(0.05)
+    eventually(  # the gateway's Finish gives the tenant its slot back
+        lambda: http_json(scheduled, "/v1/completions", body, headers={"x-api-key": TINY_KEY})[0] == 200,
+        10,
+        "the tenant's slot given back",
+        interval_s=0.05,
+    )
     status, _, health = http_json(scheduled, "/health")
     assert status == 200 and health["scheduler"] == "ok" and sum(health["workers_per_version"].values()) == 2
 
@@ -496,9 +462,7 @@ def test_cancel_rpc_and_deadline(disaggregated: GatewayThread, workers: dict[str
 def test_a_cancelled_grpc_call_frees_blocks(
     disaggregated: GatewayThread, workers: dict[str, WorkerProcess]
 ) -> None:
-    from services.gateway.metrics import REGISTRY
-
-    before = REGISTRY.get_sample_value("baton_gateway_cancellations_total", {"reason": "client"}) or 0.0
+    before = metric("baton_gateway_cancellations_total", {"reason": "client"})
     responses = disaggregated.stub.Generate(
         gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(LONG, ignore_eos=True)), timeout=60
     )
@@ -506,10 +470,11 @@ def test_a_cancelled_grpc_call_frees_blocks(
     responses.cancel()
     workers["decode"].wait_all_free()
     workers["prefill"].wait_all_free()
-    deadline = time.monotonic() + 5
-    while REGISTRY.get_sample_value("baton_gateway_cancellations_total", {"reason": "client"}) != before + 1:
-        assert time.monotonic() < deadline, "the gateway did not count the cancellation"
-        time.sleep(0.01)
+    eventually(
+        lambda: metric("baton_gateway_cancellations_total", {"reason": "client"}) == before + 1,
+        10,
+        "the gateway counted the cancellation",
+    )
 
 
 def test_sse_disconnect_frees_blocks(disaggregated: GatewayThread, workers: dict[str, WorkerProcess]) -> None:
@@ -554,8 +519,9 @@ def test_a_client_that_does_not_read_fails_alone(
 ) -> None:
     """A request whose client never reads fails with RESOURCE_EXHAUSTED once its bounded buffer is full;
     its blocks are freed and another request on the same gateway and worker is not held up."""
-    gw = GatewayThread(_config(tiny_llama, decode_workers=(workers["both"].address,), max_buffered_tokens=8))
-    try:
+    with GatewayThread(
+        _config(tiny_llama, decode_workers=(workers["both"].address,), max_buffered_tokens=8)
+    ) as gw:
 
         async def submit_unread() -> RequestStream:
             return gw.server.dispatcher.submit(
@@ -580,8 +546,6 @@ def test_a_client_that_does_not_read_fails_alone(
         error = gw._call(drain(stream), 30)
         assert isinstance(error, CapacityExceeded) and "did not read its stream" in error.message
         workers["both"].wait_all_free()
-    finally:
-        gw.stop()
 
 
 # --- bad inputs ------------------------------------------------------------------------------------

@@ -7,24 +7,18 @@ the gateway's own `/metrics` histograms over exactly the requests loadgen sent."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_harness import GatewayThread, WorkerProcess
-from prometheus_client.parser import text_string_to_metric_families
+from harness import GatewayThread, Scrape, loadgen, running_workers
 
 from services.gateway.server import GatewayConfig
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 8
 OUTPUT_LEN = 8
 # loadgen's TTFT (send → first chunk, seen by a separate process) exceeds the gateway's (accepted →
@@ -39,14 +33,11 @@ ITL_SLACK_MS, ITL_SLACK_RATIO = 10.0, 0.5
 
 @pytest.fixture(scope="module")
 def gateway(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayThread]:
-    log_dir = tmp_path_factory.mktemp("loadgen-cluster")
-    workers = [WorkerProcess(role, tiny_llama, log_dir) for role in ("prefill", "decode")]
-    gw = None
-    try:
-        deadline = time.monotonic() + 120
-        for worker in workers:
-            worker.wait_ready(deadline)
-        gw = GatewayThread(
+    with (
+        running_workers(
+            tiny_llama, tmp_path_factory.mktemp("loadgen-cluster"), "prefill", "decode"
+        ) as workers,
+        GatewayThread(
             GatewayConfig(
                 model=str(tiny_llama),
                 grpc_port=0,
@@ -56,28 +47,18 @@ def gateway(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 prefill_workers=(workers[0].address,),
                 decode_workers=(workers[1].address,),
             )
-        )
+        ) as gw,
+    ):
         yield gw
-    finally:
-        if gw is not None:
-            gw.stop()
-        for worker in workers:
-            worker.stop()
 
 
 def _histogram(gw: GatewayThread, name: str) -> tuple[float, float] | None:
     """(sum of seconds, count) of a gateway histogram over all its label sets (a labelled histogram
     exports no sample before its first observation); None if the gateway does not define it."""
-    with urllib.request.urlopen(gw.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    families = [family for family in text_string_to_metric_families(text) if family.name == name]
-    if not families:
+    page = Scrape(gw.url + "/metrics")
+    if name not in page.families:
         return None
-    samples = [s for family in families for s in family.samples]
-    return (
-        sum(s.value for s in samples if s.name == f"{name}_sum"),
-        sum(s.value for s in samples if s.name == f"{name}_count"),
-    )
+    return page.value(f"{name}_sum"), page.value(f"{name}_count")
 
 
 Observed = tuple[float, float]  # (sum of seconds, count) of a histogram
@@ -114,41 +95,32 @@ def run(
     target = f"grpc://{gateway.server.grpc_address}" if scheme == "grpc" else gateway.url
     names = ("baton_gateway_ttft_seconds", "baton_gateway_itl_seconds")
     before = [_histogram(gateway, name) for name in names]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loadgen",
-            "run",
-            "--target",
-            target,
-            "--tokenizer",
-            str(tiny_llama),
-            "--input-len",
-            "24:40",
-            "--output-len",
-            str(OUTPUT_LEN),
-            "--ignore-eos",
-            "--num-requests",
-            str(NUM_REQUESTS),
-            "--arrival",
-            "poisson",
-            "--rate",
-            "20",
-            "--seed",
-            "1",
-            "--result-file",
-            str(out / "result.json"),
-            "--plot-dir",
-            str(out / "plots"),
-            "--no-progress",
-            "--endpoint",
-            "chat" if chat else "completions",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = loadgen(
+        "run",
+        "--target",
+        target,
+        "--tokenizer",
+        str(tiny_llama),
+        "--input-len",
+        "24:40",
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--ignore-eos",
+        "--num-requests",
+        str(NUM_REQUESTS),
+        "--arrival",
+        "poisson",
+        "--rate",
+        "20",
+        "--seed",
+        "1",
+        "--result-file",
+        str(out / "result.json"),
+        "--plot-dir",
+        str(out / "plots"),
+        "--no-progress",
+        "--endpoint",
+        "chat" if chat else "completions",
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     after = [_histogram(gateway, name) for name in names]

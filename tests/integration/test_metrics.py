@@ -5,29 +5,30 @@ process and its values checked against what the clients saw and against each oth
 
 from __future__ import annotations
 
-import asyncio
-import http.client
 import json
 import re
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
-from conftest import launch_baton_up
-from prometheus_client.parser import text_string_to_metric_families
+from harness import (
+    ROOT,
+    BatonUp,
+    Scrape,
+    add_tenants,
+    eventually,
+    http_json,
+    loadgen,
+    sse_events,
+    start_baton_up,
+)
+from harness import grpc_generate as generate
 
-from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from baton.v1 import common_pb2, gateway_pb2
+from scheduler.tenants import TenantConfig
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| `(baton_\w+)` \| (\w+) \|")
 ACME_KEY = "key-of-acme"
 LONG_PROMPT = (
@@ -35,76 +36,43 @@ LONG_PROMPT = (
     "jumps over the lazy dog near Paris, the capital of France, while Berlin is the capital of Germany."
 )
 SHORT_PROMPT = "def add(a, b):"
-
-
-@dataclass
-class Up:
-    proc: subprocess.Popen[str]
-    http: str
-    grpc: str
-    redis: str
-    metrics: dict[str, str]  # process → its /metrics URL
-    tenant_added: bool = False
-
-
-def start_up(log_dir: Path, model: Path) -> Up:
-    proc, text = launch_baton_up(
-        log_dir, "--model", str(model), "--kv-cache-memory", "16MiB", "--kv-transport", "tcp", timeout_s=180
-    )
-    http_url = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
-    grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
-    redis_url = re.search(r"redis\s+: (redis://\S+)", text)
-    metrics = dict(re.findall(r"(\w+)=(http://\S+/metrics)", text))
-    if not (http_url and grpc_addr and redis_url) or set(metrics) != {
-        "gateway",
-        "scheduler",
-        "prefill",
-        "decode",
-    }:
-        proc.kill()
-        raise AssertionError(f"baton up did not become ready:\n{text}")
-    return Up(proc, http_url.group(1), grpc_addr.group(1), redis_url.group(1), metrics)
+PROCESSES = ("gateway", "scheduler", "prefill", "decode")  # each serves its own /metrics
+ADDED_TENANTS: set[str] = set()  # acme, once the first test added it (a test run alone finds none)
 
 
 @pytest.fixture(scope="module")
-def up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    cluster = start_up(tmp_path_factory.mktemp("metrics-up"), tiny_llama)
+def up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatonUp]:
+    cluster = start_baton_up(
+        tmp_path_factory.mktemp("metrics-up"),
+        "--model",
+        str(tiny_llama),
+        "--kv-cache-memory",
+        "16MiB",
+        "--kv-transport",
+        "tcp",
+        timeout_s=180,
+        metrics_of=PROCESSES,
+    )
     try:
         yield cluster
     finally:
-        if cluster.proc.poll() is None:
-            cluster.proc.send_signal(signal.SIGINT)
-            try:
-                cluster.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                cluster.proc.kill()
+        cluster.shut_down()
 
 
-async def add_tenant(redis_url: str) -> None:
-    import redis.asyncio as aioredis
-
-    from scheduler.tenants import TenantConfig, TenantDirectory
-
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        tenants = TenantDirectory(client)
-        await tenants.add_tenant(TenantConfig("acme"))
-        await tenants.add_api_key(ACME_KEY, "acme")
-    finally:
-        await client.aclose()
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def complete(up: Up, prompt: str, key: str | None, max_tokens: int = 12) -> dict[str, int]:
+def complete(up: BatonUp, prompt: str, key: str | None, max_tokens: int = 12) -> dict[str, int]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(f"{up.http}/v1/completions", json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(req, timeout=60) as r:
-        usage: dict[str, int] = json.loads(r.read())["usage"]
+    status, _, out = http_json(up, "/v1/completions", body, headers=_auth(key))
+    assert status == 200, out
+    usage: dict[str, int] = out["usage"]
     return usage
 
 
 def stream(
-    up: Up, prompt: str, key: str | None, max_tokens: int, stop_after: int | None = None
+    up: BatonUp, prompt: str, key: str | None, max_tokens: int, stop_after: int | None = None
 ) -> dict[str, int]:
     """An SSE completion with usage; with ``stop_after``, the connection closes after that many chunks."""
     body = {
@@ -115,22 +83,12 @@ def stream(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    host, port = up.http.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request(
-        "POST",
-        "/v1/completions",
-        json.dumps(body),
-        {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
-    )
-    response = conn.getresponse()
-    assert response.status == 200
+    conn, events = sse_events(up, "/v1/completions", body, headers=_auth(key))
     usage: dict[str, int] = {}
     chunks = 0
-    for line in response:
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+    for chunk in events:
+        if chunk == "[DONE]":
             continue
-        chunk = json.loads(line.removeprefix(b"data: "))
         usage = chunk.get("usage") or usage
         chunks += 1
         if stop_after is not None and chunks >= stop_after:
@@ -139,40 +97,15 @@ def stream(
     return usage
 
 
-def grpc_generate(up: Up, prompt: str, key: str, max_tokens: int) -> dict[str, int]:
-    with grpc.insecure_channel(up.grpc) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        req = gateway_pb2.GenerateRequest(
-            prompt=prompt,
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        )
-        for msg in stub.Generate(req, timeout=60, metadata=(("x-api-key", key),)):
-            if msg.HasField("completion"):
-                u = msg.completion.usage
-                return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
-    raise AssertionError("no completion")
-
-
-class Scrape:
-    """One /metrics page, parsed."""
-
-    def __init__(self, url: str) -> None:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            assert r.headers["Content-Type"].startswith("text/plain")
-            text = r.read().decode()
-        self.families = {f.name: f for f in text_string_to_metric_families(text)}
-
-    def value(self, sample: str, **labels: str) -> float:
-        """The sum of ``sample`` over the series whose labels include ``labels``."""
-        return sum(
-            s.value
-            for f in self.families.values()
-            for s in f.samples
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
-        )
-
-    def labels(self, sample: str, label: str) -> set[str]:
-        return {s.labels[label] for f in self.families.values() for s in f.samples if s.name == sample}
+def grpc_generate(up: BatonUp, prompt: str, key: str, max_tokens: int) -> dict[str, int]:
+    req = gateway_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    _, _, completion = generate(up, req, metadata=(("x-api-key", key),))
+    assert completion is not None, "no completion"
+    u = completion.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
 
 
 def documented() -> dict[str, tuple[str, str]]:
@@ -186,35 +119,64 @@ def documented() -> dict[str, tuple[str, str]]:
     return out
 
 
-def wait_idle(up: Up, timeout_s: float = 15.0) -> dict[str, Scrape]:
+def wait_idle(up: BatonUp, timeout_s: float = 15.0) -> dict[str, Scrape]:
     """Scrapes until both workers are idle with every block free and no lease held."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        scrapes = {name: Scrape(up.metrics[name]) for name in ("prefill", "decode")}
-        idle = all(
+    scrapes: dict[str, Scrape] = {}
+
+    def idle() -> bool:
+        scrapes.update({name: Scrape(up.metrics[name]) for name in ("prefill", "decode")})
+        return all(
             s.value("baton_worker_kv_blocks_free") == s.value("baton_worker_kv_blocks") > 0
             and s.value("baton_worker_leases_held") == s.value("baton_worker_requests_running") == 0
             and s.value("baton_worker_transfers_in_flight") == 0
             for s in scrapes.values()
         )
-        if idle:
-            return scrapes
-        assert time.monotonic() < deadline, "the workers did not free every block"
-        time.sleep(0.05)
+
+    eventually(idle, timeout_s, "the workers did not free every block", interval_s=0.05)
+    return scrapes
 
 
-def wait_gateway_idle(up: Up, timeout_s: float = 10.0) -> Scrape:
+def wait_gateway_idle(up: BatonUp, timeout_s: float = 10.0) -> Scrape:
     """The gateway counts a cancelled request once its worker aborts have landed."""
-    deadline = time.monotonic() + timeout_s
-    while (page := Scrape(up.metrics["gateway"])).value("baton_gateway_requests_in_flight") > 0:
-        assert time.monotonic() < deadline, "requests still in flight at the gateway"
-        time.sleep(0.05)
-    return page
+    pages: list[Scrape] = []
+
+    def idle() -> bool:
+        pages.append(Scrape(up.metrics["gateway"]))
+        return pages[-1].value("baton_gateway_requests_in_flight") == 0
+
+    eventually(idle, timeout_s, "requests still in flight at the gateway", interval_s=0.05)
+    return pages[-1]
 
 
-def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> None:
-    asyncio.run(add_tenant(up.redis))
-    up.tenant_added = True
+def settled_scheduler(up: BatonUp, handoffs: float, timeout_s: float = 10.0) -> Scrape:
+    """The scheduler's page once the gateway's fire-and-forget lease reports have landed (every handoff's
+    lease pinned, none still active) and both workers are in placement: the gateway counts a request done
+    before its last report reaches the scheduler, and a worker that missed heartbeats on a busy machine
+    re-registers. After ``timeout_s`` the page as it is (the test's asserts say what is off)."""
+    pages: list[Scrape] = []
+
+    def settled() -> bool:
+        pages.append(Scrape(up.metrics["scheduler"]))
+        page = pages[-1]
+        return (
+            page.value("baton_scheduler_leases_total", state="pinned") == handoffs
+            and page.value("baton_scheduler_leases_active") == 0
+            and all(
+                page.value("baton_scheduler_workers", role=r, state="serving") == 1
+                for r in ("prefill", "decode")
+            )
+        )
+
+    try:
+        eventually(settled, timeout_s, "the scheduler's ledgers settled", interval_s=0.05)
+    except AssertionError:
+        pass
+    return pages[-1]
+
+
+def test_every_documented_metric_is_scraped_with_values_that_agree(up: BatonUp) -> None:
+    add_tenants(up.redis, [TenantConfig("acme")], {ACME_KEY: "acme"})
+    ADDED_TENANTS.add("acme")
     # acme: a new long prompt (disaggregated), the same again (a prefix hit), one streamed, one over gRPC.
     acme = [
         complete(up, LONG_PROMPT, ACME_KEY),
@@ -230,8 +192,10 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     n_completed = len(completed)
     workers = wait_idle(up)
     gateway = wait_gateway_idle(up)
-    scheduler = Scrape(up.metrics["scheduler"])
     prefill, decode = workers["prefill"], workers["decode"]
+    scheduler = settled_scheduler(
+        up, prefill.value("baton_worker_requests_total", rpc="prefill", outcome="ok")
+    )
 
     # Every documented metric is served by its process, with its documented type.
     for name, (family, kind) in documented().items():
@@ -343,9 +307,9 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: Up) -> No
     )
 
 
-def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
+def test_scheduler_decisions_are_counted_per_tenant(up: BatonUp) -> None:
     """Needs the hooks in scheduler.placing (`metrics.record_place`): one decision per request placed."""
-    complete(up, SHORT_PROMPT, ACME_KEY if up.tenant_added else None)
+    complete(up, SHORT_PROMPT, ACME_KEY if "acme" in ADDED_TENANTS else None)
     wait_idle(up)
     gateway = wait_gateway_idle(up)
     scheduler = Scrape(up.metrics["scheduler"])
@@ -363,7 +327,7 @@ def test_scheduler_decisions_are_counted_per_tenant(up: Up) -> None:
 
 
 def test_loadgen_against_baton_up_writes_its_json_table_and_plots(
-    up: Up, tiny_llama: Path, tmp_path: Path
+    up: BatonUp, tiny_llama: Path, tmp_path: Path
 ) -> None:
     """`loadgen run` (a real subprocess, as a user runs it) against this `baton up` cluster, over gRPC and
     HTTP: the vLLM-compatible JSON, the console table and the PNG plots; every request the gateway
@@ -372,37 +336,28 @@ def test_loadgen_against_baton_up_writes_its_json_table_and_plots(
     before = wait_gateway_idle(up).value("baton_gateway_ttft_seconds_count")
     for target in (f"grpc://{up.grpc}", up.http):
         out = tmp_path / target.split(":")[0]
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "loadgen",
-                "run",
-                "--target",
-                target,
-                "--tokenizer",
-                str(tiny_llama),
-                "--input-len",
-                "16:24",
-                "--output-len",
-                "6",
-                "--ignore-eos",
-                "--num-requests",
-                "6",
-                "--arrival",
-                "closed",
-                "--concurrency",
-                "3",
-                "--result-file",
-                str(out / "result.json"),
-                "--plot-dir",
-                str(out / "plots"),
-                "--no-progress",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        proc = loadgen(
+            "run",
+            "--target",
+            target,
+            "--tokenizer",
+            str(tiny_llama),
+            "--input-len",
+            "16:24",
+            "--output-len",
+            "6",
+            "--ignore-eos",
+            "--num-requests",
+            "6",
+            "--arrival",
+            "closed",
+            "--concurrency",
+            "3",
+            "--result-file",
+            str(out / "result.json"),
+            "--plot-dir",
+            str(out / "plots"),
+            "--no-progress",
         )
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         assert "Serving Benchmark Result" in proc.stdout and "TTFT" in proc.stdout

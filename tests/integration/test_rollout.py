@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import harness
 import pytest
-from gateway_harness import ROOT, GatewayThread, SchedulerProcess, WorkerProcess, grpc_generate, http_json
+from harness import PLACED, baton, eventually, grpc_generate, http_json, own_database
 
 from baton.v1 import common_pb2, gateway_pb2
 from scheduler.admin import DEFAULT_MAX_KL, DEFAULT_MIN_TOP1
-from services.gateway.server import GatewayConfig
 
 pytestmark = pytest.mark.integration
 
@@ -49,19 +44,15 @@ PROMPTS = [
 ]
 
 
-def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.05)
+class Cluster(harness.Cluster):
+    """The module's scheduler, a `both` worker per version — v1, v2 (the int8 twin), v3 (broken) — and
+    the gateway."""
 
+    @property
+    def model(self) -> str:  # the served model's name
+        assert self.gateway is not None
+        return self.gateway.model
 
-@dataclass(slots=True)
-class Cluster:
-    scheduler: SchedulerProcess
-    workers: dict[str, WorkerProcess]  # v1, v2 (the int8 twin), v3 (broken)
-    gateway: GatewayThread
-    model: str
     versions: dict[str, str]  # v1/v2/v3 -> the digest each worker serves
 
 
@@ -82,16 +73,7 @@ def broken_copy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def baton_models(c: Cluster, *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "models", "--scheduler", c.scheduler.address, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+    return baton("models", "--scheduler", c.scheduler.address, *args)
 
 
 def listed(c: Cluster) -> dict[str, Any]:
@@ -107,55 +89,21 @@ def comparison(c: Cluster, candidate: str) -> dict[str, Any] | None:
 def cluster(
     redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    import redis
-
-    redis_url = redis_server.url.rsplit("/", 1)[0] + "/5"  # a database of its own on the session's server
-    redis.Redis.from_url(redis_url).flushdb()
-    log_dir = tmp_path_factory.mktemp("rollout")
-    scheduler = SchedulerProcess(redis_url, log_dir)
-    workers: dict[str, WorkerProcess] = {}
-    gateway = None
-    try:
-        scheduler.wait_ready(time.monotonic() + 60)
+    redis_url = own_database(redis_server.url, 5)
+    with Cluster(redis_url, tmp_path_factory.mktemp("rollout")) as c:
         builds = {
             "v1": (tiny_llama, ()),
             "v2": (tiny_llama, ("--quantization", "int8")),
             "v3": (broken_copy(tiny_llama, tmp_path_factory), ("--quantization", "int8")),
         }
-        for n, (name, (model, flags)) in enumerate(builds.items(), start=1):
+        workers = {}
+        for name, (model, flags) in builds.items():
             # One after the other: the first version registered gets the weight.
-            workers[name] = WorkerProcess(
-                "both",
-                model,
-                log_dir,
-                "--kv-transport",
-                "tcp",
-                "--scheduler",
-                scheduler.address,
-                "--redis-url",
-                redis_url,
-                *flags,
-            )
-            workers[name].wait_ready(time.monotonic() + 120)
-            eventually(lambda n=n: scheduler.num_workers() == n, 30, f"worker {name} registered")  # type: ignore[misc]
-        gateway = GatewayThread(
-            GatewayConfig(
-                scheduler=scheduler.address,
-                model=str(tiny_llama),
-                grpc_port=0,
-                http_port=0,
-                startup_timeout=60,
-            )
-        )
-        versions = {name: w.info().model_digest for name, w in workers.items()}
-        assert len(set(versions.values())) == 3  # the twin is a version of its own
-        yield Cluster(scheduler, workers, gateway, gateway.model, versions)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for worker in workers.values():
-            worker.stop()
-        scheduler.stop()
+            (workers[name],) = c.add_workers(model, "both", flags=flags)
+        c.start_gateway(tiny_llama)
+        c.versions = {name: w.info().model_digest for name, w in workers.items()}
+        assert len(set(c.versions.values())) == 3  # the twin is a version of its own
+        yield c
 
 
 def send_traffic(c: Cluster, tag: str) -> list[str]:
@@ -218,7 +166,8 @@ def shadow_to(c: Cluster, candidate: str) -> dict[str, Any]:
         got = comparison(c, candidate)
         return got is not None and got["requests"] >= len(rids)
 
-    eventually(arrived, 60, f"every shadow of {candidate} compared and reported")
+    # Each try runs `baton models list` (a process): every half second, to leave the cluster the CPU.
+    eventually(arrived, 60, f"every shadow of {candidate} compared and reported", interval_s=0.5)
     got = comparison(c, candidate)
     assert got is not None and got["requests"] == len(rids)
     return got
@@ -252,9 +201,6 @@ def test_a_broken_candidate_is_flagged(cluster: Cluster) -> None:
     )
 
 
-_PLACED = re.compile(r"request (\S+) placed: prefill=\S+ decode=(\S+) .* version=(\S+) shadow=(\S+)")
-
-
 def test_promote_and_roll_back_with_one_command_each(
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -271,7 +217,7 @@ def test_promote_and_roll_back_with_one_command_each(
             ),
         )
         placed = [
-            m for m in map(_PLACED.match, (r.getMessage() for r in caplog.records)) if m and m.group(1) == rid
+            m for m in map(PLACED.match, (r.getMessage() for r in caplog.records)) if m and m.group(1) == rid
         ]
         return placed[-1].group(3), placed[-1].group(4)
 

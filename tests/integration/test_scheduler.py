@@ -5,7 +5,7 @@ eviction, the lease reaper, and a Redis outage."""
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from harness import SLACK_S, baton, eventually_async, on_redis, second_build
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from baton.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -26,28 +27,15 @@ from services.worker.server import WorkerServer, serve_worker
 pytestmark = pytest.mark.integration
 
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> float:
-    t0 = time.monotonic()
-    while not await check():
-        assert time.monotonic() - t0 < timeout_s, "condition not reached in time"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
+# The scheduler's heartbeat timeout where a test is not about it: a worker that misses one or two
+# heartbeats on a busy machine stays in placement (workers heartbeat every third of it).
+HEARTBEAT_TIMEOUT_S = 3.0
+WAIT_S = 10.0  # how long a test waits for something that happens in milliseconds on a quiet machine
 
 
 async def cli(*args: str) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    assert proc.returncode == 0, out.decode()
-    return out.decode()
+    """`baton ARGS` in a thread: the loop goes on serving the in-process scheduler the command calls."""
+    return await asyncio.to_thread(baton, *args)
 
 
 class Cluster:
@@ -63,7 +51,7 @@ class Cluster:
     async def start_worker(self, role: str) -> tuple[str, worker_pb2_grpc.WorkerStub]:
         assert self.scheduler is not None
         w = await serve_worker(
-            WorkerConfig(
+            WorkerConfig.flat(
                 role=role,
                 model=str(self.model),
                 kv_transport="tcp",
@@ -87,12 +75,9 @@ class Cluster:
 
 
 def run(redis_server: Any, tiny_llama: Path, body: Callable[[Cluster], Awaitable[None]]) -> None:
-    async def main() -> None:
-        import redis.asyncio as aioredis
+    on_redis(redis_server.url, lambda client: client.flushdb())
 
-        client = aioredis.Redis.from_url(redis_server.url)
-        await client.flushdb()
-        await client.aclose()
+    async def main() -> None:
         cluster = Cluster(redis_server.url, tiny_llama)
         try:
             await body(cluster)
@@ -104,7 +89,7 @@ def run(redis_server: Any, tiny_llama: Path, body: Callable[[Cluster], Awaitable
 
 async def with_solo_tenant(c: Cluster, max_concurrent: int) -> tuple[SchedulerServicer, TenantConfig]:
     """Starts the scheduler and adds tenant "solo" with at most ``max_concurrent`` requests in flight."""
-    await c.start_scheduler(heartbeat_timeout_s=2.0)
+    await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     assert c.scheduler is not None
     solo = TenantConfig("solo", max_concurrent=max_concurrent)
     await c.scheduler.servicer.tenants.add_tenant(solo)
@@ -117,7 +102,7 @@ def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(
     async def body(c: Cluster) -> None:
         # Not a short heartbeat timeout: with 0.6 s, a decode worker that missed one heartbeat on a busy
         # machine left placement and the whole burst below went to the other (seen in a fresh-clone run).
-        sched = await c.start_scheduler(heartbeat_timeout_s=2.0)
+        sched = await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
         p_addr, _ = await c.start_worker("prefill")
         d1, d1_stub = await c.start_worker("decode")
         d2, _ = await c.start_worker("decode")
@@ -178,15 +163,20 @@ def test_placement_is_kv_aware_and_skips_prefill_for_short_prompts(
             await sched.Finish(scheduler_pb2.FinishRequest(request_id=rid, tenant="default"))
             return again.decode_worker == d1 and again.prefix_hit_blocks == len(long_prompt) // 16
 
-        took = await eventually(prefers_d1)
+        took = await eventually_async(prefers_d1, WAIT_S, "placement prefers the warm worker")
         print(f"prefix-aware placement chose the warm worker {took * 1e3:.0f} ms after its prefill")
 
     run(redis_server, tiny_llama, body)
 
 
-def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llama: Path) -> None:
+def test_quota_cancel_bus_eviction_and_lease_reaper(
+    redis_server: Any, tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="services.worker.membership")
+
     async def body(c: Cluster) -> None:
-        sched = await c.start_scheduler(heartbeat_timeout_s=0.6, reap_interval_s=0.1)
+        # The eviction below waits out this timeout; shorter, a busy machine evicted a live worker.
+        sched = await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, reap_interval_s=0.1)
         from scheduler.tenants import TenantConfig
 
         assert c.scheduler is not None
@@ -240,7 +230,11 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
         assert not (await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="bus"))).first
         # A cancel that overtakes its request: the worker refuses the request when it arrives.
         await sched.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id="early"))
-        await asyncio.sleep(0.2)  # the bus delivers asynchronously
+
+        async def delivered() -> bool:  # the bus delivers asynchronously; the worker logs each cancel
+            return any("cancel of early from the bus" in r.getMessage() for r in caplog.records)
+
+        await eventually_async(delivered, WAIT_S, "the cancel reached the decode worker")
         with pytest.raises(grpc.aio.AioRpcError) as e:
             _ = [
                 m
@@ -275,7 +269,7 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
             info = await p_stub.Info(worker_pb2.InfoRequest())
             return info.num_leases == 0 and info.num_free_blocks == info.num_blocks
 
-        took = await eventually(freed)
+        took = await eventually_async(freed, WAIT_S, "the reaper freed the prefill worker's blocks")
         print(f"lease reaper: prefill worker's blocks free {took * 1e3:.0f} ms after the report")
         assert await c.scheduler.servicer.leases.stranded_blocks() == 0
 
@@ -287,7 +281,7 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
             versions = await sched.ListModelVersions(scheduler_pb2.ListModelVersionsRequest())
             return all(v.num_workers == 1 for v in versions.versions)
 
-        await eventually(evicted)
+        await eventually_async(evicted, HEARTBEAT_TIMEOUT_S + SLACK_S, "the stopped worker evicted")
         print(f"stopped decode worker left placement after {time.monotonic() - t0:.2f} s")
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await sched.Place(
@@ -300,7 +294,7 @@ def test_quota_cancel_bus_eviction_and_lease_reaper(redis_server: Any, tiny_llam
 
 def test_redis_outage_gives_unavailable_and_heals_itself(redis_server: Any, tiny_llama: Path) -> None:
     async def body(c: Cluster) -> None:
-        sched = await c.start_scheduler(heartbeat_timeout_s=1.5)
+        sched = await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
         await c.start_worker("both")
         place = scheduler_pb2.PlaceRequest(prompt_token_ids=[5] * 20, max_tokens=4)
         place.request_id = "before"
@@ -333,7 +327,7 @@ def test_redis_outage_gives_unavailable_and_heals_itself(redis_server: Any, tiny
             except grpc.aio.AioRpcError:
                 return False  # UNAVAILABLE until a worker re-registers with the empty Redis
 
-        await eventually(healed, timeout_s=20)
+        await eventually_async(healed, 20, "placement after Redis came back")
         print(f"placement resumed {time.monotonic() - t0:.2f} s after Redis came back (state re-announced)")
 
     run(redis_server, tiny_llama, body)
@@ -343,17 +337,10 @@ def test_rollout_weights_route_sticky_shares_and_rollback_is_immediate(
     redis_server: Any, tiny_llama: Path, tmp_path: Path
 ) -> None:
     """Two versions of one model (a second build: same weights, a changed config → a new digest)."""
-    import json
-    import shutil
-
-    v2_dir = tmp_path / tiny_llama.name  # same directory name → same served model name
-    shutil.copytree(tiny_llama, v2_dir)
-    config = json.loads((v2_dir / "config.json").read_text())
-    config["baton_build"] = 2
-    (v2_dir / "config.json").write_text(json.dumps(config))
+    v2_dir = second_build(tiny_llama, tmp_path)  # same directory name → same served model name
 
     async def body(c: Cluster) -> None:
-        sched = await c.start_scheduler(heartbeat_timeout_s=2.0)
+        sched = await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
         await c.start_worker("both")
         c.model = v2_dir
         await c.start_worker("both")
@@ -431,7 +418,7 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             async def quota_free() -> bool:
                 return (await servicer.quota.usage(solo)).concurrent == 0
 
-            await eventually(quota_free)
+            await eventually_async(quota_free, WAIT_S, "the quota free")
 
             # Calls given up at once (their timeout ~0): whether the abandon reaches the scheduler before
             # its Place ends (undone there) or after (the reply crosses it; the gateway undoes it), every
@@ -439,8 +426,8 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             for i in range(20):
                 with pytest.raises(Unavailable, match="did not answer in time"):
                     await router.route(replace(query(f"t{i}"), timeout_s=1e-6))
-            await eventually(quota_free)
-            await eventually(lambda: _true(not router._calls._pending))
+            await eventually_async(quota_free, WAIT_S, "the quota free")
+            await eventually_async(lambda: _true(not router._calls._pending), WAIT_S, "no call pending")
 
             # A Place given up while its quota charge is on the way back (the script ran in Redis, its
             # reply not read yet) is refunded too.
@@ -456,9 +443,9 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             servicer.quota.admit = slow_admit  # type: ignore[method-assign]
             try:
                 cut = asyncio.create_task(router.route(query("c1")))
-                await eventually(charged)
+                await eventually_async(charged, WAIT_S, "the quota charged")
                 cut.cancel()
-                await eventually(quota_free)
+                await eventually_async(quota_free, WAIT_S, "the quota free")
             finally:
                 servicer.quota.admit = real_admit  # type: ignore[method-assign]
 
@@ -472,7 +459,7 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             try:
                 with pytest.raises(Unavailable):
                     await router.route(query("l1"))
-                await eventually(quota_free)
+                await eventually_async(quota_free, WAIT_S, "the quota free")
             finally:
                 servicer.quota.admit = real_admit  # type: ignore[method-assign]
 
@@ -487,9 +474,13 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
                     and (await servicer.quota.usage(solo)).concurrent == 1
                 )
 
-            await eventually(queued)
+            await eventually_async(queued, WAIT_S, "the Place queued")
             waiting.cancel()
-            took = await eventually(lambda: _both(servicer.queue.depth("solo"), quota_free()))
+            took = await eventually_async(
+                lambda: _both(servicer.queue.depth("solo"), quota_free()),
+                WAIT_S,
+                "the queue empty, the quota free",
+            )
             print(
                 f"an abandoned Place left the fair queue, quota returned, {took * 1e3:.0f} ms after the cancel"
             )
@@ -497,11 +488,15 @@ def test_the_gateways_call_stream_answers_each_call_alone_and_undoes_what_it_giv
             # A gateway that goes away: its stream breaks and every Place it was waiting on is undone.
             other = SchedulerRouter(c.scheduler.address)
             lost = asyncio.create_task(other.route(query("w2")))
-            await eventually(queued)
+            await eventually_async(queued, WAIT_S, "the Place queued")
             await other._channel.close()  # the gateway process dies: its connection closes
             with pytest.raises(Unavailable):
                 await lost
-            await eventually(lambda: _both(servicer.queue.depth("solo"), quota_free()))
+            await eventually_async(
+                lambda: _both(servicer.queue.depth("solo"), quota_free()),
+                WAIT_S,
+                "the queue empty, the quota free",
+            )
         finally:
             await router.close()
 
@@ -530,7 +525,7 @@ def test_a_lease_ends_even_when_its_pin_lands_after_its_end_was_sent(
     from services.gateway.router import LeaseReport, SchedulerRouter
 
     async def body(c: Cluster) -> None:
-        await c.start_scheduler(heartbeat_timeout_s=2.0)
+        await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
         assert c.scheduler is not None
         servicer = c.scheduler.servicer
         real_create = servicer.leases.create
@@ -582,7 +577,7 @@ def test_a_report_slower_than_its_timeout_still_lands(redis_server: Any, tiny_ll
             async def quota_free() -> bool:
                 return (await servicer.quota.usage(solo)).concurrent == 0
 
-            await eventually(quota_free, timeout_s=REPORT_TIMEOUT_S + 5)
+            await eventually_async(quota_free, REPORT_TIMEOUT_S + SLACK_S, "the late Finish landed")
         finally:
             servicer.tenants.get_tenant = real_get  # type: ignore[method-assign]
             await router.close()
@@ -606,7 +601,7 @@ def test_malformed_messages_get_invalid_argument_and_the_servers_go_on(
         return str(e.value.details())
 
     async def body(c: Cluster) -> None:
-        sched = await c.start_scheduler(heartbeat_timeout_s=2.0)
+        sched = await c.start_scheduler(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
         assert c.scheduler is not None
         d_addr, d_stub = await c.start_worker("decode")
         channel = grpc.aio.insecure_channel(c.scheduler.address)

@@ -14,27 +14,32 @@ the model — registered there, and a gateway that places through the scheduler.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import re
-import shutil
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import harness
 import pytest
-from gateway_harness import ROOT, GatewayThread, SchedulerProcess, WorkerProcess, grpc_generate, http_json
+from harness import (
+    PLACED,
+    WorkerProcess,
+    add_tenants,
+    baton,
+    eventually,
+    grpc_generate,
+    http_json,
+    metric,
+    own_database,
+    second_build,
+)
 
 from baton.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from core.sampling_params import SamplingParams
-from services.gateway.metrics import REGISTRY
-from services.gateway.server import GatewayConfig
+from scheduler.tenants import TenantConfig
 
 pytestmark = pytest.mark.integration
 
@@ -50,17 +55,6 @@ KEYS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol", "dave": "sk-d
 QUOTA = dict(tokens_per_s=4.0, burst_s=6.0)  # a bucket of 24 tokens, refilled at 4 per second
 
 
-def metric(name: str, labels: dict[str, str] | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
-
-
-def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-
-
 def greedy(max_tokens: int = MAX_TOKENS, **kw: Any) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
 
@@ -68,98 +62,48 @@ def greedy(max_tokens: int = MAX_TOKENS, **kw: Any) -> common_pb2.SamplingParams
 # --- the cluster -----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Cluster:
-    redis_url: str
-    scheduler: SchedulerProcess
-    v1: WorkerProcess
-    v2: WorkerProcess
-    gateway: GatewayThread
-    model: str
+class Cluster(harness.Cluster):
+    """The module's scheduler, a `both` worker per version (v1, v2) and the gateway."""
+
+    @property
+    def v1(self) -> WorkerProcess:
+        return self.workers[0]
+
+    @property
+    def v2(self) -> WorkerProcess:
+        return self.workers[1]
+
+    @property
+    def model(self) -> str:  # the served model's name
+        assert self.gateway is not None
+        return self.gateway.model
+
     versions: tuple[str, str]  # the two digests
 
 
-def second_version(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same weights under the same name, but a config with one more (ignored) key: a new digest."""
-    copy = tmp_path_factory.mktemp("v2") / model.name
-    shutil.copytree(model, copy)
-    config = json.loads((copy / "config.json").read_text())
-    config["baton_build"] = 2
-    (copy / "config.json").write_text(json.dumps(config))
-    return copy
-
-
-async def add_tenants(redis_url: str) -> None:
-    import redis.asyncio as aioredis
-
-    from scheduler.tenants import TenantConfig, TenantDirectory
-
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        tenants = TenantDirectory(client)
-        for name in ("alice", "bob"):
-            await tenants.add_tenant(TenantConfig(name))
-        for name in ("carol", "dave"):
-            await tenants.add_tenant(TenantConfig(name, share_prefix_cache=True))
-        await tenants.add_tenant(TenantConfig("quinn", **QUOTA))  # type: ignore[arg-type]
-        for name, key in KEYS.items():
-            await tenants.add_api_key(key, name)
-    finally:
-        await client.aclose()
+TENANTS = [
+    TenantConfig("alice"),
+    TenantConfig("bob"),
+    TenantConfig("carol", share_prefix_cache=True),
+    TenantConfig("dave", share_prefix_cache=True),
+    TenantConfig("quinn", **QUOTA),  # type: ignore[arg-type]
+]
 
 
 @pytest.fixture(scope="module")
 def cluster(
     redis_server: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    import redis
-
-    redis_url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own on the session's server
-    redis.Redis.from_url(redis_url).flushdb()
-    log_dir = tmp_path_factory.mktemp("tenancy")
-    scheduler = SchedulerProcess(redis_url, log_dir)
-    workers: list[WorkerProcess] = []
-    gateway = None
-    try:
-        scheduler.wait_ready(time.monotonic() + 60)
-        for n, model in enumerate((tiny_llama, second_version(tiny_llama, tmp_path_factory)), start=1):
-            # One after the other: the first version registered gets the weight.
-            workers.append(
-                WorkerProcess(
-                    "both",
-                    model,
-                    log_dir,
-                    "--kv-transport",
-                    "tcp",
-                    "--scheduler",
-                    scheduler.address,
-                    "--redis-url",
-                    redis_url,
-                )
-            )
-            workers[-1].wait_ready(time.monotonic() + 120)
-            eventually(lambda n=n: scheduler.num_workers() == n, 30, f"worker {n} registered")  # type: ignore[misc]
-        asyncio.run(add_tenants(redis_url))
-        gateway = GatewayThread(
-            GatewayConfig(
-                scheduler=scheduler.address,
-                model=str(tiny_llama),
-                grpc_port=0,
-                http_port=0,
-                max_output_tokens=LONG + 50,
-                startup_timeout=60,
-            )
-        )
-        v1, v2 = workers
-        versions = (v1.info().model_digest, v2.info().model_digest)
-        assert versions[0] != versions[1]
-        yield Cluster(redis_url, scheduler, v1, v2, gateway, gateway.model, versions)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for worker in workers:
-            worker.stop()
-        scheduler.stop()
+    redis_url = own_database(redis_server.url, 3)
+    with Cluster(redis_url, tmp_path_factory.mktemp("tenancy")) as c:
+        # One after the other: the first version registered gets the weight.
+        for model in (tiny_llama, second_build(tiny_llama, tmp_path_factory.mktemp("v2"))):
+            c.add_workers(model, "both")
+        add_tenants(redis_url, TENANTS, {key: name for name, key in KEYS.items()})
+        c.start_gateway(tiny_llama, max_output_tokens=LONG + 50)
+        c.versions = (c.v1.info().model_digest, c.v2.info().model_digest)
+        assert c.versions[0] != c.versions[1]
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -179,30 +123,19 @@ def set_rollout(c: Cluster, shadow: bool) -> None:
     no shadow (the SetRollout RPC)."""
     v1, v2 = c.versions
     if shadow:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "models",
-                "--scheduler",
-                c.scheduler.address,
-                "set",
-                c.model,
-                f"{v1}=1",
-                f"{v2}=0",
-                "--shadow",
-                v2,
-                "--shadow-share",
-                "1.0",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
+        baton(
+            "models",
+            "--scheduler",
+            c.scheduler.address,
+            "set",
+            c.model,
+            f"{v1}=1",
+            f"{v2}=0",
+            "--shadow",
+            v2,
+            "--shadow-share",
+            "1.0",
         )
-        assert out.returncode == 0, out.stdout + out.stderr
     else:
         assert c.scheduler.stub is not None
         c.scheduler.stub.SetRollout(
@@ -218,7 +151,6 @@ def set_rollout(c: Cluster, shadow: bool) -> None:
 
 # --- shadow traffic --------------------------------------------------------------------------------
 
-_PLACED = re.compile(r"request (\S+) placed: prefill=\S+ decode=(\S+) .* version=(\S+) shadow=(\S+)")
 _SHADOWED = re.compile(
     r"request (\S+) shadowed on (\S+): version (\S+) vs (\S+) (\w+) agreement=([\d.]+) "
     r"top1=([\d.]+) kl=([\d.]+) .* ttft=([\d.]+)ms itl=([\d.]+)ms \(primary ttft=([\d.]+)ms"
@@ -293,7 +225,7 @@ def test_shadow_traffic_mirrors_every_request_to_the_candidate(
 
     # The client was answered by v1 alone; v2 saw each request only as its shadow.
     messages = [r.getMessage() for r in caplog.records]
-    placed = {m.group(1): m.groups()[1:] for m in map(_PLACED.match, messages) if m}
+    placed = {m.group(1): m.groups()[1:] for m in map(PLACED.match, messages) if m}
     shadowed = {m.group(1): m.groups()[1:] for m in map(_SHADOWED.match, messages) if m}
     assert {r: placed[r] for r in rids} == {r: (c.v1.address, v1, c.v2.address) for r in rids}
     assert {r: shadowed[r][:4] for r in rids} == {r: (c.v2.address, v2, v1, "identical") for r in rids}

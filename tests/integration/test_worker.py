@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from harness import idle
 
 from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=Tr
 
 async def start(model: Path, role: str, **kw: object) -> tuple[WorkerServer, worker_pb2_grpc.WorkerStub]:
     server = await serve_worker(
-        WorkerConfig(
+        WorkerConfig.flat(
             role=role,
             model=str(model),
             kv_transport="tcp",
@@ -43,13 +44,7 @@ async def wait_idle(
     t0 = time.monotonic()
     while True:
         info = await stub.Info(worker_pb2.InfoRequest())
-        idle = (
-            info.num_free_blocks == info.num_blocks
-            and info.num_running == info.num_waiting == 0
-            and info.num_leases == 0
-            and info.num_transfers == 0
-        )
-        if idle or time.monotonic() - t0 > timeout_s:
+        if idle(info) or time.monotonic() - t0 > timeout_s:
             return info, time.monotonic() - t0
         await asyncio.sleep(0.01)
 

@@ -98,6 +98,7 @@ def test_a_reply_that_takes_too_long_times_out_and_the_next_call_reconnects(url:
     asyncio.run(body())
 
 
+@pytest.mark.redis  # a redis-server of its own
 def test_an_outage_fails_the_calls_and_service_resumes_when_redis_is_back() -> None:
     server = RedisServer().start()
 
@@ -139,6 +140,7 @@ def test_the_url_names_the_database(redis_server: RedisServer, redis_client: red
         RedisPipe("rediss://host:6380/0")
 
 
+@pytest.mark.redis  # a redis-server of its own
 def test_a_unix_socket_url(tmp_path: Path) -> None:
     socket_path = tmp_path / "redis.sock"
     proc = subprocess.Popen(
@@ -232,6 +234,7 @@ def test_a_closed_pipe_refuses_calls_also_when_closed_while_connecting(url: str)
     asyncio.run(body())
 
 
+@pytest.mark.redis  # a redis-server of its own
 def test_the_schedulers_redis_py_client_survives_a_restart_of_redis() -> None:
     """The scheduler's redis-py client (scheduler.server.redis_client): after Redis restarts, the idle
     connections in its pool are dead; each command on one is retried once on a new connection instead
