@@ -151,6 +151,19 @@ def port_or_off(text: str) -> int | None:
     return None if port < 0 else port
 
 
+def metrics_port_field() -> Any:
+    """The ``metrics_port`` field of a serving process's config: 0 = any free port, None (``-1``) = no
+    metrics endpoint."""
+    return dataclasses.field(
+        default=0,
+        metadata={
+            "parse": port_or_off,
+            "none": "-1",
+            "help": "port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)",
+        },
+    )
+
+
 def _check_meta(cls: type, f: dataclasses.Field[Any]) -> None:
     unknown = set(f.metadata) - KEYS
     if unknown:

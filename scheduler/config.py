@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rpc.flags import port_or_off
+from rpc.flags import metrics_port_field
 from rpc.metrics import DEFAULT_MAX_TENANTS
 
 
@@ -83,14 +83,7 @@ class SchedulerProcessConfig:
     process has, its metrics endpoint (`scheduler.server.serve_scheduler`'s other arguments)."""
 
     scheduler: ClusterSchedulerConfig = ClusterSchedulerConfig()
-    metrics_port: int | None = field(
-        default=0,
-        metadata={
-            "parse": port_or_off,
-            "none": "-1",
-            "help": "port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)",
-        },
-    )
+    metrics_port: int | None = metrics_port_field()
     metrics_max_tenants: int = field(
         default=DEFAULT_MAX_TENANTS,
         metadata={"help": "tenants with a metrics label of their own; later ones are 'other'"},

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.config import EngineConfig
-from rpc.flags import add_flags, config_from_args, port_or_off
+from rpc.flags import add_flags, config_from_args, metrics_port_field
 
 ROLES = ("prefill", "decode", "both")
 KV_TRANSPORTS = ("auto", "nixl", "shm", "tcp")
@@ -74,14 +74,7 @@ class WorkerConfig:
     redis_url: str | None = field(
         default=None, metadata={"help": "the cluster's Redis, for the cancellation bus"}
     )
-    metrics_port: int | None = field(
-        default=0,
-        metadata={
-            "parse": port_or_off,
-            "none": "-1",
-            "help": "port of GET /metrics (default 0: any free port, printed at start; -1: no metrics)",
-        },
-    )
+    metrics_port: int | None = metrics_port_field()
     engine: EngineConfig = field(default=WORKER_ENGINE, metadata={"exclude": ("heavy_prefill_chunk",)})
 
     def __post_init__(self) -> None:

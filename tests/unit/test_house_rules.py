@@ -6,22 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_layers import imports
+from test_layers import PRODUCT, imports
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = (
-    "core",
-    "engine",
-    "kv_transfer",
-    "rpc",
-    "scheduler",
-    "services",
-    "prefill_worker",
-    "decode_worker",
-    "loadgen",
-)
 MAX_LINES = 500
 # Where proto types may appear: the modules that convert, serve or call over gRPC.
 EDGES = {

@@ -7,21 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+from test_layers import PRODUCT
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = (
-    "core",
-    "engine",
-    "kv_transfer",
-    "rpc",
-    "scheduler",
-    "services",
-    "prefill_worker",
-    "decode_worker",
-    "loadgen",
-)
 THE_MAP = {"rpc/errors.py"}
 FORBIDDEN = {
     "a gRPC status code named": re.compile(r"\bStatusCode\s*(\.|\[)"),
