@@ -1,6 +1,6 @@
-"""`baton up`: the local cluster in one command — a gateway, one prefill and one decode worker (or one
-colocated worker) as separate processes, started the way a user starts them, health-checked, and
-stopped together on Ctrl-C. Torch-free: the launcher only starts and watches processes. Every process
+"""`baton up`: the local cluster in one command — a gateway, prefill and decode workers (one each by
+default, or colocated workers) as separate processes, started the way a user starts them,
+health-checked, restarted when one dies (`services.supervisor`), and stopped together only on Ctrl-C. Torch-free: the launcher only starts and watches processes. Every process
 serves Prometheus metrics (the gateway on its HTTP port, the others on a port of their own); the banner
 lists them and the log directory gets a ``prometheus.yml`` that scrapes them all. The children's flags
 are generated from the configs the launcher builds for them (`rpc.flags.to_argv`), never hand-written.
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,137 +21,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from engine.config import EngineConfig
 from rpc.flags import add_flags, config_from_args, field_like, to_argv
 from scheduler.config import ClusterSchedulerConfig, SchedulerProcessConfig
 from services.gateway.server import GatewayConfig
+from services.supervisor import Child, NotHealthyYet, Supervisor, free_port, is_serving, redis_ping
 from services.worker.config import WORKER_ENGINE, WorkerConfig
 
+__all__ = ["UpConfig", "build_cluster", "free_port", "is_serving", "run_up"]
+
 READY_TIMEOUT_S = 300.0
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it if the launcher dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: Ctrl-C still stops everything through the launcher
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-class NotHealthyYet(RuntimeError):
-    """Children still starting when a wait ran out (another wait may follow); one that exited is a plain
-    RuntimeError."""
-
-
-@dataclass(slots=True)
-class Child:
-    """One process of the cluster, its log file and the gRPC address that says it is healthy."""
-
-    name: str
-    argv: list[str]
-    health_address: str
-    log_path: Path
-    phase: int = 2  # started after every child of a lower phase is healthy (redis 0, scheduler 1)
-    probe: Callable[[str], bool] | None = None  # default: the gRPC health check
-    proc: subprocess.Popen[bytes] | None = None
-
-    def healthy(self) -> bool:
-        return (self.probe or is_serving)(self.health_address)
-
-    def start(self) -> None:
-        log = open(self.log_path, "wb")  # noqa: SIM115 — closed by the child's lifetime
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@dataclass(slots=True)
-class Cluster:
-    children: list[Child] = field(default_factory=list)
-
-    def start_phase(self, phase: int) -> list[Child]:
-        started = [c for c in self.children if c.phase == phase]
-        for c in started:
-            c.start()
-        return started
-
-    @property
-    def phases(self) -> list[int]:
-        return sorted({c.phase for c in self.children})
-
-    def wait_healthy(self, timeout_s: float, children: list[Child] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = [c for c in (self.children if children is None else children) if c.proc is not None]
-        while pending:
-            for c in list(pending):
-                assert c.proc is not None
-                if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}:\n{c.tail()}")
-                if c.healthy():
-                    pending.remove(c)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
-                raise NotHealthyYet(f"not healthy after {timeout_s:.0f} s: {names}\n{pending[0].tail()}")
-            time.sleep(0.2)
-
-    def first_exited(self) -> Child | None:
-        return next((c for c in self.children if c.proc is not None and c.proc.poll() is not None), None)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM everyone (gateway first, so it stops taking requests), then SIGKILL stragglers."""
-        for c in reversed(self.children):
-            if c.proc is not None and c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in self.children:
-            if c.proc is None:
-                continue
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
-            if c.proc.poll() is None:
-                c.proc.kill()
-                c.proc.wait(5)
-
-
-def is_serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=1.0
-            )
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
-
-
-def redis_ping(address: str) -> bool:
-    import redis
-
-    host, port = address.rsplit(":", 1)
-    try:
-        return bool(redis.Redis(host=host, port=int(port), socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +42,11 @@ class UpConfig:
     host: str = field_like(GatewayConfig, "host", help="address every process binds")
     grpc_port: int = field_like(GatewayConfig, "grpc_port", help="gateway gRPC port (0 = any free port)")
     http_port: int = field_like(GatewayConfig, "http_port", help="gateway HTTP port (0 = any free port)")
-    colocated: bool = field(default=False, metadata={"help": "one worker with role both instead of P + D"})
+    colocated: bool = field(default=False, metadata={"help": "workers with role both instead of P + D"})
+    prefill_workers: int = field(default=1, metadata={"help": "prefill workers (none when colocated)"})
+    decode_workers: int = field(
+        default=1, metadata={"help": "decode workers (colocated: workers with role both)"}
+    )
     static: bool = field(
         default=False,
         metadata={"help": "no Redis and no scheduler: the gateway places on the workers it is given"},
@@ -195,8 +76,14 @@ class UpConfig:
         default=None, metadata={"help": "where each process writes its log (default: a temp dir)"}
     )
 
+    def __post_init__(self) -> None:
+        if self.decode_workers < 1:
+            raise ValueError("--decode-workers must be at least 1")
+        if self.prefill_workers < 0:
+            raise ValueError("--prefill-workers must not be negative")
 
-def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[Cluster, dict[str, str]]:
+
+def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[Supervisor, dict[str, str]]:
     """The processes of the local cluster; returns them and the endpoints to print. Each child's command
     line is `to_argv` of the config built for it here, so it is checked before anything starts."""
     baton = [sys.executable, "-m", "services.cli", *(["-v"] if verbose else [])]
@@ -210,7 +97,7 @@ def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[C
         num_threads=up.threads or None,
     )
     worker = WorkerConfig(host=host, kv_transport=up.kv_transport, engine=engine)
-    cluster = Cluster()
+    cluster = Supervisor(state_path=log_dir / "processes.json")
     scheduler = redis_url = ""
     metrics: dict[str, str] = {}  # process → host:port of its /metrics
     if not up.static:
@@ -240,20 +127,35 @@ def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[C
             Child("scheduler", [*baton, "scheduler", *argv], scheduler, log_dir / "scheduler.log", phase=1)
         )
         worker = replace(worker, scheduler=scheduler, redis_url=redis_url)
-    roles = [("worker", "both")] if up.colocated else [("prefill", "prefill"), ("decode", "decode")]
-    addresses: dict[str, str] = {}
-    for name, role in roles:
-        port, metrics_port = free_port(host), free_port(host)
-        addresses[role] = f"{host}:{port}"
-        metrics[role] = f"{host}:{metrics_port}"
-        argv = to_argv(replace(worker, role=role, port=port, metrics_port=metrics_port))
-        cluster.children.append(
-            Child(f"{name} worker", [*baton, "worker", *argv], addresses[role], log_dir / f"{name}.log")
-        )
+    pools = (
+        [("worker", "both", up.decode_workers)]
+        if up.colocated
+        else [("prefill", "prefill", up.prefill_workers), ("decode", "decode", up.decode_workers)]
+    )
+    addresses: dict[str, str] = {}  # "prefill", "decode", "decode_2", … (role "both": "both", "both_2")
+    for name, role, count in pools:
+        for i in range(1, count + 1):
+            key, suffix = (role, "") if i == 1 else (f"{role}_{i}", f"-{i}")
+            port, metrics_port = free_port(host), free_port(host)
+            addresses[key] = f"{host}:{port}"
+            metrics[key] = f"{host}:{metrics_port}"
+            argv = to_argv(replace(worker, role=role, port=port, metrics_port=metrics_port))
+            cluster.children.append(
+                Child(
+                    f"{name} worker{suffix.replace('-', ' ')}",
+                    [*baton, "worker", *argv],
+                    addresses[key],
+                    log_dir / f"{name}{suffix}.log",
+                )
+            )
     grpc_port = up.grpc_port or free_port(host)
     http_port = up.http_port or free_port(host)
-    decode = () if scheduler else (addresses.get("decode") or addresses["both"],)
-    prefill = (addresses["prefill"],) if "prefill" in addresses and not scheduler else ()
+    by_role = {
+        r: tuple(a for k, a in addresses.items() if k.split("_")[0] == r)
+        for r in ("prefill", "decode", "both")
+    }
+    decode = () if scheduler else (by_role["decode"] or by_role["both"])
+    prefill = () if scheduler else by_role["prefill"]
     gateway = GatewayConfig(
         model=up.model,
         host=host,
@@ -309,7 +211,9 @@ def prepare_model(model: str | None) -> str:
 
 def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
     http = endpoints["http"]
-    workers = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k in ("prefill", "decode", "both"))
+    workers = ", ".join(
+        f"{k} {v}" for k, v in endpoints.items() if k.split("_")[0] in ("prefill", "decode", "both")
+    )
     metrics = " ".join(
         f"{k.removeprefix('metrics:')}=http://{v}/metrics"
         for k, v in endpoints.items()
@@ -330,6 +234,7 @@ Try it:
   curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Which city is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
+A process that dies is started again, the rest serving on.
 Press Ctrl-C to stop everything.
 """.rstrip()
 
@@ -390,14 +295,9 @@ def run_up(args: argparse.Namespace) -> int:
             )
             return 1
         print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
-        while not stopping:
-            dead = cluster.first_exited()
-            if dead is not None:
-                print(
-                    f"baton up: {dead.name} exited ({dead.proc.returncode if dead.proc else '?'}):\n{dead.tail()}",
-                    file=sys.stderr,
-                )
-                return 1
+        while not stopping:  # as Kubernetes would: a child that dies is started again, the rest serve on
+            for event in cluster.supervise():
+                print(f"baton up: {event}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         print("stopping …", flush=True)
         return 0
@@ -406,6 +306,6 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def add_up_parser(sub: Any) -> None:
-    p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers")
+    p = sub.add_parser("up", help="start a local cluster: gateway + prefill + decode workers, supervised")
     add_flags(p, UpConfig)
     p.set_defaults(func=run_up, parser=p)
