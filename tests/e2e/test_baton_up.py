@@ -36,7 +36,17 @@ def stop_up(up: BatonUp) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatonUp]:
-    up = start_up(tmp_path_factory.mktemp("up"), "--model", str(tiny_llama), "--kv-transport", "tcp")
+    # float32 on both sides: dtype auto probes the CPU at start, and on a busy machine two processes
+    # may choose differently; this test is about serving the offline tokens, not about that choice.
+    up = start_up(
+        tmp_path_factory.mktemp("up"),
+        "--model",
+        str(tiny_llama),
+        "--kv-transport",
+        "tcp",
+        "--dtype",
+        "float32",
+    )
     try:
         yield up
     finally:
@@ -54,7 +64,7 @@ def test_up_serves_offline_tokens_over_http_and_grpc_then_stops_on_ctrl_c(
     )
     assert "curl" in tiny_up.banner, "the banner shows a ready-to-paste example"
     prompt = "def add(a, b):"
-    offline = LLM(str(tiny_llama), kv_cache_memory=16 << 20).generate(
+    offline = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=16 << 20).generate(
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )[0]
 
