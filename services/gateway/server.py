@@ -142,6 +142,13 @@ class GatewayConfig:
         default=DEFAULT_MAX_TENANTS,
         metadata=_help("tenants with a metrics label of their own; later ones are counted as 'other'"),
     )
+    drain_timeout_s: float = field(
+        default=25.0,
+        metadata=_help(
+            "on SIGTERM, seconds the streams in flight may take to finish (new requests get UNAVAILABLE); "
+            "those still running then end with UNAVAILABLE"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.scheduler and (self.decode_workers or self.prefill_workers):
@@ -155,8 +162,8 @@ class GatewayConfig:
             raise ValueError(
                 "max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive"
             )
-        if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0:
-            raise ValueError("max_shadow_requests and metrics_max_tenants must be at least 0")
+        if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0 or self.drain_timeout_s < 0:
+            raise ValueError("max_shadow_requests, metrics_max_tenants and drain_timeout_s must be at least 0")
         for name in (
             "max_output_tokens",
             "max_request_bytes",

@@ -42,7 +42,14 @@ class WorkerConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "the model's public name (default: the model directory's name)"}
     )
-    host: str = "127.0.0.1"
+    host: str = field(default="127.0.0.1", metadata={"help": "address the worker binds"})
+    advertise_host: str | None = field(
+        default=None,
+        metadata={
+            "help": "the host other processes reach this worker at (default: --host; in Kubernetes, the "
+            "pod IP)"
+        },
+    )
     port: int = field(default=0, metadata={"help": "gRPC port (0 = any free port)"})
     kv_transport: str = field(
         default="auto",
@@ -74,6 +81,13 @@ class WorkerConfig:
     redis_url: str | None = field(
         default=None, metadata={"help": "the cluster's Redis, for the cancellation bus"}
     )
+    drain_timeout_s: float = field(
+        default=25.0,
+        metadata={
+            "help": "on SIGTERM, seconds the work in flight may take to finish before a decode worker "
+            "hands its streams to another decode worker and a prefill worker gives back its leases"
+        },
+    )
     metrics_port: int | None = metrics_port_field()
     engine: EngineConfig = field(default=WORKER_ENGINE, metadata={"exclude": ("heavy_prefill_chunk",)})
 
@@ -85,6 +99,8 @@ class WorkerConfig:
             heavy = HEAVY_PREFILL_CHUNK if self.role == "prefill" else 0
         if heavy < 0:
             raise ValueError("heavy_prefill_chunk must not be negative")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must not be negative")
         if self.engine.heavy_prefill_chunk != heavy:
             object.__setattr__(self, "engine", replace(self.engine, heavy_prefill_chunk=heavy))
 

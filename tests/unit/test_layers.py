@@ -22,6 +22,7 @@ OURS = {
     "prefill_worker",
     "decode_worker",
     "services",
+    "autoscaler",
     "baton",
     "loadgen",
     "benchmarks",
@@ -49,6 +50,7 @@ PRODUCT = (
     "services",
     "prefill_worker",
     "decode_worker",
+    "autoscaler",
     "loadgen",
 )
 # package (a folder) → the packages or modules of ours it may import (itself always)
@@ -64,6 +66,8 @@ ALLOWED = {
     # the gateway tokenizes (engine's torch-free tokenizer and GGUF reader) and serves; it never runs a model
     "services.gateway": {"core", "engine.tokenizer", "engine.gguf_convert", "kv_transfer", "rpc", "baton"},
     "loadgen": {"core", "baton", "engine.tokenizer", "engine.gguf_convert"},  # a client: no server code
+    # a control loop over metrics and a cluster API: it never imports a server, the engine or the proto
+    "autoscaler": {"core", "rpc.flags", "rpc.metrics"},
 }
 
 
