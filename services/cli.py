@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     admin.add_models_parser(sub)
     admin.add_tenants_parser(sub)
+    _add_health_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -46,6 +47,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _add_health_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "health",
+        help="exit 0 if a Baton process answers SERVING to the gRPC health check, else 1 (for container "
+        "health checks)",
+    )
+    p.add_argument("address", help="host:port of its gRPC port")
+    p.add_argument("--service", default="", help="the service to ask about (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    p.set_defaults(func=_run_health)
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    from services.supervisor import health_status
+
+    status = health_status(args.address, args.service, args.timeout)
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 if __name__ == "__main__":

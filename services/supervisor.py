@@ -41,15 +41,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def is_serving(address: str) -> bool:
+def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> str:
+    """The gRPC health status a process at ``address`` answers (SERVING, NOT_SERVING, …), or UNREACHABLE
+    with the reason when it does not answer."""
     try:
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=1.0
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    except grpc.RpcError as e:
+        return f"UNREACHABLE ({e.code().name})"
+
+
+def is_serving(address: str) -> bool:
+    return health_status(address) == "SERVING"
 
 
 def redis_ping(address: str) -> bool:
