@@ -94,6 +94,13 @@ class WorkerLost(Unavailable):
         self.address = address
 
 
+class WorkerDraining(WorkerLost):
+    """A worker is shutting down (SIGTERM, a scale-down, a rolling update) and handed the request back
+    unfinished: the caller continues it on another worker, from the tokens it already has."""
+
+    error_type = "worker_draining"
+
+
 class KVTransferFailed(ServingError):
     """Moving KV blocks between workers failed or timed out; the caller may retry with a new prefill."""
 

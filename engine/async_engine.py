@@ -256,6 +256,16 @@ class AsyncEngine:
         stream.stage(out)
         staged.append((stream, out))
 
+    def end_streams(self, error: ServingError, abort: Callable[[str], object]) -> int:
+        """Engine thread: ends every open stream with ``error`` once ``abort(request_id)`` has dropped
+        its request here (a draining worker hands its requests back). Returns how many it ended."""
+        streams = list(self._streams.items())
+        for rid, stream in streams:
+            abort(rid)
+            self._streams.pop(rid, None)
+            stream.push(error)
+        return len(streams)
+
     def _fail_all(self, error: Exception) -> None:
         err = error if isinstance(error, ServingError) else ServingError("internal engine error")
         for rid, stream in list(self._streams.items()):

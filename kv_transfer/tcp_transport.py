@@ -57,7 +57,9 @@ def _byte_view(cache: torch.Tensor) -> memoryview:
 class TcpTransport:
     """Serves this worker's blocks on ``host:port`` and pulls peers' blocks over plain sockets."""
 
-    def __init__(self, name: str, layout: KVLayout, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, name: str, layout: KVLayout, host: str = "127.0.0.1", advertise_host: str | None = None
+    ) -> None:
         self.name = name
         self.layout = layout
         self._cache: torch.Tensor | None = None
@@ -65,7 +67,7 @@ class TcpTransport:
         self._notes: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._server = socket.create_server((host, 0))
         bound_host, bound_port = self._server.getsockname()[:2]
-        self.address = f"{bound_host}:{bound_port}"
+        self.address = f"{advertise_host or bound_host}:{bound_port}"  # what peers connect to
         self._closed = False
         threading.Thread(target=self._serve, daemon=True, name="kv-tcp-server").start()
 

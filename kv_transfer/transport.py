@@ -146,8 +146,12 @@ def unpack_metadata(data: bytes) -> tuple[PeerHeader, bytes]:
     return PeerHeader(**raw), data[4 + n :]
 
 
-def make_transport(kind: str, name: str, layout: KVLayout) -> KVTransport:
-    """``auto`` = nixl when it imports, else tcp; ``shm`` only between processes on one host."""
+def make_transport(
+    kind: str, name: str, layout: KVLayout, host: str = "127.0.0.1", advertise_host: str | None = None
+) -> KVTransport:
+    """``auto`` = nixl when it imports, else tcp; ``shm`` only between processes on one host. ``host``
+    and ``advertise_host``: where the tcp backend listens and the address its peers are told (NIXL's
+    UCX finds its own interfaces)."""
     if kind == "auto":
         try:
             import nixl._api  # noqa: F401
@@ -163,7 +167,7 @@ def make_transport(kind: str, name: str, layout: KVLayout) -> KVTransport:
     if kind == "tcp":
         from kv_transfer.tcp_transport import TcpTransport
 
-        return TcpTransport(name, layout)
+        return TcpTransport(name, layout, host, advertise_host)
     if kind == "shm":
         from kv_transfer.shm_transport import ShmTransport
 

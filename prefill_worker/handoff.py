@@ -123,6 +123,19 @@ class PrefillHandoff:
             return True
         return False
 
+    def give_up_leases(self) -> int:
+        """Frees every lease still held: a draining worker's, at the end of its drain, when no new work
+        comes here (so the blocks are not written again before the process exits). A pull still running
+        then fails at its decode worker, whose gateway prefills the request again elsewhere."""
+        lease_ids = list(self.leases)
+        for lease_id in lease_ids:
+            del self.leases[lease_id]
+            self.engine.unpin_lease(lease_id)
+            self.num_aborted += 1
+            log.warning("lease %s given up: this worker is shutting down", lease_id)
+        self._lease_of.clear()
+        return len(lease_ids)
+
     def service(self, now: float | None = None) -> int:
         """Applies peers' releases/aborts and expires overdue leases; returns how many blocks it freed."""
         freed = 0

@@ -382,9 +382,10 @@ class GatewayThread:
     def _call(self, coro: Any, timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stops the gateway; what is still in flight gets ``grace_s`` seconds (a test's default: none)."""
         self.channel.close()
-        self._call(self.server.stop(), 30)
+        self._call(self.server.stop(grace_s), 30 + grace_s)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

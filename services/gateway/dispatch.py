@@ -26,7 +26,14 @@ import time
 import uuid
 from concurrent.futures import Executor
 
-from core.errors import InvalidRequest, KVTransferFailed, ServingError, WorkerLost
+from core.errors import (
+    InvalidRequest,
+    KVTransferFailed,
+    ServingError,
+    Unavailable,
+    WorkerDraining,
+    WorkerLost,
+)
 from core.outputs import FinishReason
 from engine.tokenizer import Tokenizer
 from kv_transfer.handle import KVHandle
@@ -84,6 +91,9 @@ class Dispatcher:
         self._client_wait = metrics.CLIENT_WAIT.labels(model.name)
         self._in_flight: dict[str, RequestStream] = {}
         self._jobs: dict[str, Job] = {}
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
+        self.draining = False
 
     @property
     def num_in_flight(self) -> int:
@@ -91,6 +101,12 @@ class Dispatcher:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Accepts a request and starts its driver; raises InvalidRequest for a bad or duplicate id."""
+        metrics.ARRIVALS.labels(self.model.name, request.api).inc()  # demand, whatever becomes of it
+        if self.draining:
+            metrics.REQUESTS.labels(self.model.name, NONE, NONE, request.api, "error", "UNAVAILABLE").inc()
+            raise Unavailable(
+                "this gateway is shutting down and takes no new requests: send it to another one"
+            )
         rid = request.request_id or uuid.uuid4().hex
         problem = request_id_problem(rid)
         if problem is None and rid in self._in_flight:
@@ -102,6 +118,7 @@ class Dispatcher:
             raise InvalidRequest(problem)
         stream = RequestStream(rid, self.limits.max_buffered_tokens, self._client_wait.observe)
         self._in_flight[rid] = stream
+        self._idle.clear()
         metrics.IN_FLIGHT.inc()
         stream.attach(
             asyncio.get_running_loop().create_task(self._run(stream, request), name=f"request-{rid}")
@@ -119,11 +136,27 @@ class Dispatcher:
         job = self._jobs.get(request_id)
         return None if job is None else job.route
 
-    async def shutdown(self) -> None:
-        streams = list(self._in_flight.values())
-        for stream in streams:
+    def drain(self) -> None:
+        """Takes no new request (`submit` raises Unavailable); those in flight go on."""
+        self.draining = True
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Drains: the requests in flight have ``grace_s`` seconds to finish; those still running then
+        end with `Unavailable` — an error the client can tell from a normal end (gRPC UNAVAILABLE, an
+        HTTP 503 or, mid-stream, an SSE error event), never a finish that looks complete. Their workers
+        are told to drop them, as for a cancel."""
+        self.drain()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        drivers = [s.driver for s in self._in_flight.values() if s.driver is not None]
+        if drivers:
+            log.warning(
+                "shutting down with %d requests in flight: ending them with UNAVAILABLE", len(drivers)
+            )
+        for stream in list(self._in_flight.values()):
             stream.cancel("shutdown")
-        await asyncio.sleep(0)
+        if drivers:
+            await asyncio.wait(drivers, timeout=5.0)
         await self.shadows.close()
 
     # --- one request ---------------------------------------------------------------------------
@@ -160,40 +193,14 @@ class Dispatcher:
                 except asyncio.CancelledError:
                     log.info("request %s: left its worker aborts to the background", stream.request_id)
             del self._in_flight[stream.request_id]
+            if not self._in_flight:
+                self._idle.set()
             metrics.IN_FLIGHT.dec()
-            self._count(stream, job, request.api, outcome, reason)
-
-    def _count(self, stream: RequestStream, job: Job | None, api: str, outcome: str, reason: str) -> None:
-        """The metrics of a request that ended (see `services.gateway.metrics`)."""
-        placed = job is not None and job.route is not None
-        model, version, tenant = job.labels if job is not None and placed else (self.model.name, NONE, NONE)
-        if outcome == "ok":
-            code = "OK"
-        elif outcome == "cancelled":
-            code = "DEADLINE_EXCEEDED" if reason == "deadline" else "CANCELLED"
-        else:
-            outcome, code = "error", outcome
-        metrics.REQUESTS.labels(model, version, tenant, api, outcome, code).inc()
-        if job is None or not placed:
-            return
-        finished = stream.finished
-        metrics.PROMPT_TOKENS.labels(model, version, tenant).inc(len(job.prompt_ids))
-        completion = (
-            finished.usage.completion_tokens if finished is not None and code == "OK" else len(job.sent_ids)
-        )
-        metrics.GENERATION_TOKENS.labels(model, version, tenant).inc(completion)
-        if code != "OK" or finished is None:
-            return
-        t = finished.timings
-        metrics.TTFT.labels(model, version, tenant).observe(t.ttft_ms / 1e3)
-        metrics.E2E.labels(model, version, tenant).observe(t.e2e_ms / 1e3)
-        for segment, ms in (
-            (metrics.QUEUE, t.queue_ms),
-            (metrics.PREFILL, t.prefill_ms),
-            (metrics.TRANSFER, t.transfer_ms),
-            (metrics.DECODE, t.decode_ms),
-        ):
-            segment.labels(model, version).observe(ms / 1e3)
+            placed = job is not None and job.route is not None
+            labels = job.labels if job is not None and placed else (self.model.name, NONE, NONE)
+            metrics.count_ended(
+                labels, request.api, outcome, reason, stream.finished, job if placed else None
+            )
 
     def _cancelled(self, stream: RequestStream, job: Job | None, reason: str) -> str:
         metrics.CANCELLATIONS.labels(reason).inc()
@@ -204,6 +211,13 @@ class Dispatcher:
                 job.aborts.append(published)
         if stream.ended:  # the slow-reader error was already set
             return "RESOURCE_EXHAUSTED"
+        if reason == "shutdown":  # the system gave up, not the client: an error, not a finish
+            err = Unavailable(
+                f"request {stream.request_id} was cut after {stream.num_tokens} tokens: the gateway shut down "
+                "before it finished; send it again"
+            )
+            stream.fail(err)
+            return err.grpc_code
         stream.finish(self._finished(stream, job, FinishReason.CANCELLED, stream.num_tokens))
         return "cancelled"
 
@@ -300,8 +314,10 @@ class Dispatcher:
                 return False
             job.kv_retries += 1
             metrics.KV_TRANSFER_RETRIES.inc()
-            if job.route.prefill is not None and (
-                isinstance(error, KVTransferFailed) or await self._answers(failed)
+            if (
+                job.route.prefill is not None
+                and not isinstance(error, WorkerDraining)  # D gave it back, however well it answers
+                and (isinstance(error, KVTransferFailed) or await self._answers(failed))
             ):
                 failed = job.route.prefill  # D is alive: the pull failed on P's side (e.g. its lease expired)
         elif job.stage == "decode" and job.sent_ids:  # a migration: D died mid-stream

@@ -128,6 +128,8 @@ class HttpApi:
         """200 when every worker answers Info (with a scheduler: it answers and has workers), else 503;
         the body says what does not."""
         ok, details = await self.health_check()
+        if self.dispatcher.draining:
+            ok, details = False, {**details, "draining": True}
         body = {
             "status": "ok" if ok else "unavailable",
             "model": self.dispatcher.model.name,

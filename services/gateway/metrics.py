@@ -8,6 +8,8 @@ double registration.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -18,6 +20,10 @@ from prometheus_client import (
 )
 
 from rpc.metrics import LATENCY_BUCKETS, SEGMENT_BUCKETS
+
+if TYPE_CHECKING:
+    from services.gateway.job import Job
+    from services.gateway.request_stream import Finished
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -46,6 +52,13 @@ _SEGMENT = ["model", "version"]
 
 # --------------------------------------------------------------------------- gateway: requests
 
+ARRIVALS = Counter(
+    "baton_gateway_arrivals",
+    "Requests received, counted on arrival whatever becomes of them (refused, failed, cancelled or "
+    "served): the demand an autoscaler sizes the pools for.",
+    ["model", "api"],
+    registry=REGISTRY,
+)
 REQUESTS = Counter(
     "baton_gateway_requests",
     "Requests that ended, by model, version, tenant, API (grpc, http), outcome (ok, cancelled, error) and "
@@ -219,3 +232,43 @@ SHADOW_E2E = Histogram(
 def render() -> tuple[bytes, str]:
     """The gateway's exposition text and its content type."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def count_ended(
+    labels: tuple[str, str, str],
+    api: str,
+    outcome: str,
+    reason: str,
+    finished: Finished | None,
+    job: Job | None,
+) -> None:
+    """The metrics of a request that ended: ``labels`` (model, version, tenant); ``outcome`` ok,
+    cancelled (``reason`` says why) or the error's gRPC code; ``job`` only if it was placed on a worker
+    (its tokens are counted), ``finished`` only if it completed (its latencies are observed)."""
+    model, version, tenant = labels
+    if outcome == "ok":
+        code = "OK"
+    elif outcome == "cancelled":
+        code = "DEADLINE_EXCEEDED" if reason == "deadline" else "CANCELLED"
+    else:
+        outcome, code = "error", outcome
+    REQUESTS.labels(model, version, tenant, api, outcome, code).inc()
+    if job is None:
+        return
+    PROMPT_TOKENS.labels(model, version, tenant).inc(len(job.prompt_ids))
+    completion = (
+        finished.usage.completion_tokens if finished is not None and code == "OK" else len(job.sent_ids)
+    )
+    GENERATION_TOKENS.labels(model, version, tenant).inc(completion)
+    if code != "OK" or finished is None:
+        return
+    t = finished.timings
+    TTFT.labels(model, version, tenant).observe(t.ttft_ms / 1e3)
+    E2E.labels(model, version, tenant).observe(t.e2e_ms / 1e3)
+    for segment, ms in (
+        (QUEUE, t.queue_ms),
+        (PREFILL, t.prefill_ms),
+        (TRANSFER, t.transfer_ms),
+        (DECODE, t.decode_ms),
+    ):
+        segment.labels(model, version).observe(ms / 1e3)

@@ -99,6 +99,10 @@ class RequestStream:
         self._driver = driver
 
     @property
+    def driver(self) -> asyncio.Task[None] | None:
+        return self._driver
+
+    @property
     def ended(self) -> bool:
         return self._end is not None
 

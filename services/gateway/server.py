@@ -163,7 +163,9 @@ class GatewayConfig:
                 "max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive"
             )
         if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0 or self.drain_timeout_s < 0:
-            raise ValueError("max_shadow_requests, metrics_max_tenants and drain_timeout_s must be at least 0")
+            raise ValueError(
+                "max_shadow_requests, metrics_max_tenants and drain_timeout_s must be at least 0"
+            )
         for name in (
             "max_output_tokens",
             "max_request_bytes",
@@ -204,6 +206,7 @@ class GatewayServer:
         executor: ThreadPoolExecutor,
         health_task: asyncio.Task[None],
         router: Router,
+        health_servicer: health.aio.HealthServicer,
     ) -> None:
         self.config = config
         self.grpc_port = grpc_port
@@ -215,6 +218,7 @@ class GatewayServer:
         self._executor = executor
         self._health_task = health_task
         self._router = router
+        self._health = health_servicer
 
     @property
     def grpc_address(self) -> str:
@@ -224,10 +228,21 @@ class GatewayServer:
     def http_url(self) -> str:
         return f"http://{self.config.host}:{self.http_port}"
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drains, then stops. At once: the health check says NOT_SERVING (a readiness probe fails, so
+        Kubernetes stops sending here) and new requests get UNAVAILABLE; the requests in flight have
+        ``grace_s`` seconds (default ``--drain-timeout-s``) to finish, and those still running then end
+        with UNAVAILABLE (`Dispatcher.shutdown`)."""
         self._health_task.cancel()
-        await self.dispatcher.shutdown()
-        await self._grpc_server.stop(grace_s)
+        self.dispatcher.drain()
+        for service in ("", GATEWAY_SERVICE):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        grace = self.config.drain_timeout_s if grace_s is None else grace_s
+        log.info(
+            "gateway draining: %d requests in flight, %g s to finish", self.dispatcher.num_in_flight, grace
+        )
+        await self.dispatcher.shutdown(grace)
+        await self._grpc_server.stop(1.0)  # the streams have ended: this only flushes their last messages
         await self._runner.cleanup()
         await self._router.close()
         await self._workers.close()
@@ -453,7 +468,17 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
         "gateway serving gRPC on %s:%d and HTTP on %s:%d", config.host, grpc_port, config.host, http_port
     )
     return GatewayServer(
-        config, server, runner, grpc_port, http_port, dispatcher, workers, executor, health_task, router
+        config,
+        server,
+        runner,
+        grpc_port,
+        http_port,
+        dispatcher,
+        workers,
+        executor,
+        health_task,
+        router,
+        health_servicer,
     )
 
 

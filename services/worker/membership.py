@@ -53,10 +53,16 @@ class Membership:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="membership")
 
-    async def stop(self) -> None:
+    async def drain(self) -> None:
+        """Leaves placement: tells the scheduler at once that this worker takes no new work; the
+        heartbeats go on (saying so) while its requests in flight finish."""
         self.draining = True
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-            await self._beat(timeout_s=1.0)  # tell placement at once: no new work here
+            await self._beat(timeout_s=1.0)
+
+    async def stop(self) -> None:
+        if not self.draining:
+            await self.drain()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

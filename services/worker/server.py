@@ -10,6 +10,7 @@ own (`WorkerMetrics`; the engine's state is read on the engine thread only when 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -22,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import worker_pb2, worker_pb2_grpc
-from core.errors import RoleMismatch
+from core.errors import RoleMismatch, WorkerDraining
 from decode_worker.handoff import DecodeHandoff
 from decode_worker.rpc import DecodeRPC
 from engine.async_engine import AsyncEngine
@@ -174,6 +175,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             layout=layout_to_pb(transport.layout),
         )
 
+    def busy(self, engine: LLMEngine) -> bool:
+        """Engine thread: anything in flight here — requests running or waiting, pulls, leases held."""
+        leases = self.prefill is not None and bool(self.prefill.leases)
+        return engine.has_unfinished or self._num_pulls() > 0 or leases
+
+    def hand_back(self, engine: LLMEngine) -> tuple[int, int]:
+        """Engine thread, at the end of a drain: every request still here ends with `WorkerDraining`
+        (its gateway continues it on another worker, from the tokens its client has) and the leases no
+        decode worker pulled are given up. Returns (requests, leases)."""
+        err = WorkerDraining(
+            f"worker {self.shell.address} is shutting down; the request continues on another worker"
+        )
+        requests = self.shell.aengine.end_streams(err, lambda rid: self.abort_everywhere(engine, rid))
+        leases = self.prefill.give_up_leases() if self.prefill is not None else 0
+        return requests, leases
+
     def post_abort(self, rid: str) -> None:
         """An abort from the cancellation bus: queued for the engine thread, timed."""
         asked = time.monotonic()
@@ -197,9 +214,41 @@ class WorkerServer:
     stop_bus: Callable[[], Awaitable[object]] | None = None
     metrics_endpoint: MetricsEndpoint | None = None
 
+    servicer: WorkerServicer | None = None
+
     @property
     def metrics_url(self) -> str:
         return self.metrics_endpoint.url if self.metrics_endpoint is not None else ""
+
+    async def drain(self, timeout_s: float) -> str:
+        """What SIGTERM starts: the health check says NOT_SERVING and the worker leaves placement at
+        once, and takes no new request; the work in flight has ``timeout_s`` seconds to finish. What is
+        still here then is handed back (`WorkerServicer.hand_back`): a decode stream continues
+        token-exactly on another decode worker, a lease nobody pulled is given up. `stop` follows.
+        Returns what it did, in a line."""
+        assert self.servicer is not None
+        servicer, started = self.servicer, time.monotonic()
+        servicer.shell.draining = True
+        for name in ("", "baton.v1.Worker"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.membership is not None:
+            await self.membership.drain()
+        deadline = started + timeout_s
+        while await self.aengine.call(servicer.busy) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        requests, leases = await self.aengine.call(servicer.hand_back)
+        settle_by = time.monotonic() + 2.0  # the aborts are applied at the next step; cancelled pulls settle
+        while await self.aengine.call(servicer.busy) and time.monotonic() < settle_by:
+            await asyncio.sleep(0.02)
+        used, total = await self.aengine.call(
+            lambda e: (e.kv.num_blocks - e.kv.num_free_blocks, e.kv.num_blocks)
+        )
+        if requests:  # let their last messages and the error reach the gateways before the server stops
+            await asyncio.sleep(0.2)
+        return (
+            f"drained in {time.monotonic() - started:.1f} s: {requests} requests handed back, {leases} leases "
+            f"given up, {used} of {total} KV blocks in use"
+        )
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.membership is not None:
@@ -224,8 +273,10 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
-        address = f"{config.host}:{port}"
-        transport = make_transport(config.kv_transport, address, kv_layout(aengine.engine))
+        address = f"{config.advertise_host or config.host}:{port}"
+        transport = make_transport(
+            config.kv_transport, address, kv_layout(aengine.engine), config.host, config.advertise_host
+        )
         prefill, decode = await aengine.call(
             lambda engine: (
                 PrefillHandoff(engine, transport, config.lease_ttl_s)
@@ -258,7 +309,7 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     await server.start()
     for name in ("", "baton.v1.Worker"):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    worker = WorkerServer(server, aengine, transport, health, address)
+    worker = WorkerServer(server, aengine, transport, health, address, servicer=servicer)
     if config.metrics_port is not None:
         endpoint = MetricsEndpoint(servicer.metrics.registry, servicer.refresh_metrics)
         try:
@@ -293,5 +344,6 @@ async def serve_until_signal(config: WorkerConfig) -> None:
     if worker.metrics_url:
         print(f"baton worker ({config.role}) metrics on {worker.metrics_url}", flush=True)
     await stop.wait()
-    log.info("worker %s stopping", worker.address)
+    log.info("worker %s draining (up to %g s)", worker.address, config.drain_timeout_s)
+    print(f"baton worker ({config.role}) {await worker.drain(config.drain_timeout_s)}", flush=True)
     await worker.stop()

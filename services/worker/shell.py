@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from core.errors import InvalidRequest, RequestAborted, ServingError
+from core.errors import InvalidRequest, RequestAborted, ServingError, WorkerDraining
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
 from engine.async_engine import AsyncEngine, OutputStream
@@ -34,6 +34,7 @@ class WorkerShell:
         self.address = address
         self.model_name = config.served_model_name or aengine.engine.model_dir.name
         self.recent_cancels = RecentCancels()  # filled by the cancellation bus, if this worker listens
+        self.draining = False  # SIGTERM came: no new request is taken
         self.metrics = WorkerMetrics(self.model_name, transport.layout.model_digest, config.role, address)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -51,6 +52,8 @@ class WorkerShell:
             raise InvalidRequest("prompt_token_ids must not be empty")
         if rid in self.recent_cancels:  # the cancel overtook the request
             raise RequestAborted(f"request {rid} was cancelled before it arrived")
+        if self.draining:  # placed here just before the drain began: the caller places it again
+            raise WorkerDraining(f"worker {self.address} is shutting down and takes no new request")
         return rid, list(ids), sampling_from_pb(sampling)
 
 

@@ -542,3 +542,115 @@ def test_a_scheduler_outage_stops_admission_and_heals(cluster: Cluster, offline:
         f"\nscheduler down: 503 ({out['error']['message']!r}); the stream in flight finished; service "
         f"resumed {resumed_s:.2f} s after the scheduler came back ({time.monotonic() - back_at:.2f} s)"
     )
+
+
+# --- a decode worker drains (SIGTERM: a scale-down, a rolling update) ------------------------------
+
+DRAIN_EXIT_SLACK_S = 5.0  # drain timeout + this: the grace period a pod would be given (the chart's margin)
+
+
+def _all_on_one_decode_worker(
+    cluster: Cluster, gw: GatewayThread, rids: list[str], max_tokens: int
+) -> Streams:
+    """Starts a stream per id, every one on the first decode worker (the second is steered away: call
+    `_let_back_in` before the streams need it); returns once each has a few tokens."""
+    _, first, second = cluster.workers
+    steer(cluster, first, second)
+    streams = Streams(gw)
+    for i, rid in enumerate(rids):
+        streams.start(rid, _prompt(i), greedy(max_tokens))
+    streams.read_until(lambda: all(len(streams.ids[r]) >= 3 for r in rids))
+    assert set(routes(gw, rids).values()) == {first.address}, routes(gw, rids)
+    return streams
+
+
+def _let_back_in(cluster: Cluster) -> None:
+    """The second decode worker takes work again (placement sees it)."""
+    _, first, second = cluster.workers
+    set_draining(cluster.redis.url, second.address, False)
+    eventually(
+        lambda: probe_place(cluster.scheduler, exclude=first.address) == second.address,
+        5 + SLACK_S,
+        "the second decode worker back in placement",
+    )
+
+
+def _terminate(worker: WorkerProcess, drain_timeout_s: float) -> tuple[float, str]:
+    """SIGTERM, as Kubernetes sends it; seconds until the process exited, and its drain line."""
+    worker.proc.terminate()
+    start = time.monotonic()
+    worker.proc.wait(drain_timeout_s + DRAIN_EXIT_SLACK_S)  # TimeoutExpired: it overran its grace period
+    exited_s = time.monotonic() - start
+    match = re.search(r"drained in .*", worker.log_path.read_text())
+    assert match is not None, worker.log_path.read_text()[-2000:]
+    return exited_s, match.group(0)
+
+
+def test_a_draining_decode_worker_hands_its_streams_on_token_exactly(
+    cluster: Cluster, offline: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its drain timeout passes with 8 streams mid-way (a timeout of 0: the tiny model finishes a stream
+    in about a second): each continues on the other decode worker from the tokens its client has —
+    identical to offline, none duplicated — the worker exits within its grace period, and no block is
+    left held anywhere."""
+    caplog.set_level(logging.INFO, logger="services.gateway.dispatch")
+    drain_s = 0.0
+    gw = cluster.start("prefill", "decode", "decode", flags=("--drain-timeout-s", str(drain_s)))
+    prefill, victim, other = cluster.workers
+    before = metric("baton_gateway_migrations_total")
+    rids = [f"d{i}" for i in range(NUM_STREAMS)]
+    streams = _all_on_one_decode_worker(cluster, gw, rids, MIGRATE_TOKENS)
+    _let_back_in(cluster)  # before the SIGTERM: with no drain time, the streams move at once
+    exited_s, drained = _terminate(victim, drain_s)
+    tokens_at_end = {r: len(streams.ids[r]) for r in rids}
+
+    streams.finish()
+    assert streams.errors == {}
+    for i, rid in enumerate(rids):  # no duplicated, no missing token
+        assert (streams.ids[rid], streams.text[rid]) == offline["streams"][i], rid
+    moved = [r for r, n in migrations_logged(caplog).items() if r in rids and n == 1]
+    assert len(moved) == metric("baton_gateway_migrations_total") - before
+    assert moved, f"no stream was handed on (every stream ended within {drain_s} s?): {tokens_at_end}"
+    assert re.search(
+        rf"{len(moved)} requests handed back, 0 leases given up, 0 of \d+ KV blocks in use", drained
+    )
+    for worker in (prefill, other):
+        worker.wait_all_free()
+    settled(cluster.redis.url)
+    print(
+        f"\n{len(moved)} of {NUM_STREAMS} streams handed on; the worker exited {exited_s:.1f} s after SIGTERM ({drained})"
+    )
+
+
+def test_a_draining_decode_worker_finishes_its_streams_within_its_grace_period(
+    cluster: Cluster, offline: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A drain timeout long enough: its 8 streams finish where they run (nothing moves), it takes no new
+    request meanwhile (they go to the other decode worker), and it exits once they have finished."""
+    caplog.set_level(logging.INFO, logger="services.gateway.dispatch")
+    drain_s = 60.0
+    gw = cluster.start("prefill", "decode", "decode", flags=("--drain-timeout-s", str(drain_s)))
+    prefill, victim, other = cluster.workers
+    before = metric("baton_gateway_migrations_total")
+    rids = [f"f{i}" for i in range(NUM_STREAMS)]
+    streams = _all_on_one_decode_worker(cluster, gw, rids, MIGRATE_TOKENS)
+    assert victim.info().num_running == NUM_STREAMS  # ~450 tokens each still to come
+    victim.proc.terminate()
+    _let_back_in(cluster)
+    # Placement leaves it at once: a new request goes to the other decode worker.
+    eventually(
+        lambda: probe_place(cluster.scheduler) == other.address, 5 + SLACK_S, "the drain seen by placement"
+    )
+    ids, text, _ = grpc_generate(gw, gateway_pb2.GenerateRequest(prompt=_prompt(0), sampling=greedy(16)))
+    assert ids == offline["streams"][0][0][:16]
+    streams.finish()
+    exited_s, drained = _terminate(victim, drain_s)
+    assert streams.errors == {}
+    for i, rid in enumerate(rids):
+        assert (streams.ids[rid], streams.text[rid]) == offline["streams"][i], rid
+    assert metric("baton_gateway_migrations_total") == before
+    assert re.search(r"0 requests handed back, 0 leases given up, 0 of \d+ KV blocks in use", drained)
+    for worker in (prefill, other):
+        worker.wait_all_free()
+    settled(cluster.redis.url)
+    print(f"\nall {NUM_STREAMS} streams finished on the draining worker; {drained}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from harness import (
     sse_events,
 )
 
-from baton.v1 import common_pb2, gateway_pb2
+from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from core.errors import CapacityExceeded, Unavailable
 from core.sampling_params import SamplingParams
 from services.gateway.admission import GenerationRequest
@@ -761,3 +762,76 @@ def test_stream_error_before_first_token_is_an_http_status(disaggregated: Gatewa
         disaggregated, "/v1/completions", {"prompt": [5] * 300, "max_tokens": 300, "stream": True}
     )
     assert status == 400 and out["error"]["code"] == "context_length_exceeded"
+
+
+# --- a gateway that stops (SIGTERM, a rolling update) drains ---------------------------------------
+
+
+def test_a_stopping_gateway_drains_its_streams_and_refuses_new_ones(
+    workers: dict[str, WorkerProcess], tiny_llama: Path, offline: dict[str, Any]
+) -> None:
+    """From the stop on, health says NOT_SERVING (a readiness probe fails), a new request gets
+    UNAVAILABLE / 503, and a stream in flight completes normally within the drain time; the gateway
+    then stops without waiting the rest of it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    gw = GatewayThread(_config(tiny_llama, decode_workers=(workers["both"].address,)))
+    channel = grpc.insecure_channel(gw.server.grpc_address)  # gw.stop closes gw.channel first
+    health = health_pb2_grpc.HealthStub(channel)
+    body = {"prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
+    conn, events = sse_events(gw, "/v1/completions", body)
+    next(events)  # it runs
+    stopped = threading.Thread(target=gw.stop, kwargs={"grace_s": 60.0}, daemon=True)
+    stop_at = time.monotonic()
+    stopped.start()
+    eventually(lambda: gw.server.dispatcher.draining, 10, "the drain begun")
+    status = health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Gateway")).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert http_json(gw, "/health")[0] == 503
+    refused, _, out = http_json(gw, "/v1/completions", {"prompt": "a b", "max_tokens": 2})
+    assert refused == 503 and out["error"]["type"] == "unavailable", out
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateRequest(prompt="a b", sampling=greedy(2)), timeout=30
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in info.value.details()
+    channel.close()
+    rest = list(events)  # the stream in flight ends as usual
+    conn.close()
+    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length", rest[-2:]
+    stopped.join(30)
+    assert not stopped.is_alive() and time.monotonic() - stop_at < 30  # not the whole 60 s drain
+    workers["both"].wait_all_free()
+
+
+def test_streams_a_gateway_cuts_at_the_end_of_its_drain_end_with_an_error(
+    workers: dict[str, WorkerProcess], tiny_llama: Path
+) -> None:
+    """A stream still running when the drain time is over ends with UNAVAILABLE — over gRPC a status,
+    over SSE an error event — never with a finish the client would take for a complete answer; its
+    blocks are freed on the workers."""
+    gw = GatewayThread(_config(tiny_llama, decode_workers=(workers["both"].address,)))
+    body = {"prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
+    conn, events = sse_events(gw, "/v1/completions", body)
+    next(events)
+    channel = grpc.insecure_channel(gw.server.grpc_address)  # gw.stop closes gw.channel first
+    call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+        gateway_pb2.GenerateRequest(prompt=PROMPTS[1], sampling=greedy(LONG)), timeout=60
+    )
+    assert next(call).HasField("delta")
+    gw.stop(grace_s=0.0)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "gateway shut down" in info.value.details()
+    channel.close()
+    rest = list(events)
+    conn.close()
+    errors = [e for e in rest if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["type"] == "unavailable", rest[-3:]
+    assert not any(
+        e["choices"][0].get("finish_reason") for e in rest if isinstance(e, dict) and "choices" in e
+    )
+    workers["both"].wait_all_free()
