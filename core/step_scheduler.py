@@ -201,6 +201,13 @@ class StepScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute — queued prompts and the rest of part-way ones (a decode's one
+        next token is not counted): the prefill backlog, read by placement and autoscaling."""
+        gaps = (r.num_tokens - r.num_computed_tokens for r in (*self.waiting, *self.running))
+        return sum(g for g in gaps if g > 1)
+
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

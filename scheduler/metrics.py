@@ -87,6 +87,51 @@ def record_queue_wait(seconds: float, tenant: str, outcome: str) -> None:
 
 
 @dataclass(slots=True)
+class PoolLoad:
+    """The summed load of one role's serving workers (draining ones left out), as of their heartbeats."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_tokens: int = 0
+    kv_blocks: int = 0
+    kv_blocks_free: int = 0
+
+    def add(
+        self, running: int, waiting: int, queued_tokens: int, kv_blocks: int, kv_blocks_free: int
+    ) -> None:
+        self.running += running
+        self.waiting += waiting
+        self.queued_tokens += queued_tokens
+        self.kv_blocks += kv_blocks
+        self.kv_blocks_free += kv_blocks_free
+
+
+POOL_SERIES = (  # (name, help, PoolLoad field): the load autoscaling reads, one scrape of any replica
+    (
+        "baton_scheduler_pool_requests_running",
+        "Requests in the running batches of a role's serving workers.",
+        "running",
+    ),
+    (
+        "baton_scheduler_pool_requests_waiting",
+        "Requests waiting for a batch slot or blocks on a role's serving workers.",
+        "waiting",
+    ),
+    (
+        "baton_scheduler_pool_queued_tokens",
+        "Prompt tokens still to compute on a role's serving workers (queued and part-way prefills).",
+        "queued_tokens",
+    ),
+    ("baton_scheduler_pool_kv_blocks", "KV cache blocks of a role's serving workers, in total.", "kv_blocks"),
+    (
+        "baton_scheduler_pool_kv_blocks_free",
+        "KV cache blocks free (or cached and unreferenced) on a role's serving workers.",
+        "kv_blocks_free",
+    ),
+)
+
+
+@dataclass(slots=True)
 class ClusterState:
     """What a replica reads from Redis at scrape time (cluster-wide: every replica reports the same)."""
 
@@ -99,6 +144,7 @@ class ClusterState:
     workers: dict[tuple[str, str, str, str], int] = field(
         default_factory=dict
     )  # (model, version, role, state)
+    pools: dict[str, PoolLoad] = field(default_factory=dict)  # role → its serving workers' load
 
 
 class ClusterStateCollector(Collector):
@@ -148,4 +194,10 @@ class ClusterStateCollector(Collector):
         )
         for key, n in sorted(s.workers.items()):
             workers.add_metric(list(key), n)
-        return [up, active, total, stranded, depth, here, workers]
+        pools = []
+        for name, text, attr in POOL_SERIES:
+            family = GaugeMetricFamily(name, text + " (cluster)", labels=["role"])
+            for role, load in sorted(s.pools.items()):
+                family.add_metric([role], getattr(load, attr))
+            pools.append(family)
+        return [up, active, total, stranded, depth, here, workers, *pools]

@@ -150,6 +150,7 @@ class WorkerLoad:
     transfers: int  # KV pulls in flight
     leases: int  # KV leases held (blocks pinned for a decode worker)
     draining: bool = False  # the worker itself is shutting down and takes no new work
+    queued_tokens: int = 0  # prompt tokens still to compute (the prefill backlog an autoscaler reads)
     timestamp: float = field(default_factory=time.time)  # wall clock, when the load was measured
 
 
@@ -186,6 +187,8 @@ def _load_fields(load: WorkerLoad) -> list[str]:
         str(load.leases),
         "draining",
         "1" if load.draining else "0",
+        "queued_tokens",
+        str(load.queued_tokens),
         "timestamp",
         repr(load.timestamp),
     ]
@@ -233,6 +236,7 @@ def _parse_view(row: dict[str, str]) -> WorkerView:
         transfers=int(row["transfers"]),
         leases=int(row["leases"]),
         draining=row["draining"] == "1",
+        queued_tokens=int(row.get("queued_tokens", "0")),
         timestamp=float(row["timestamp"]),
     )
     return WorkerView(record=record, load=load, drain_requested=row.get("drain_requested") == "1")

@@ -89,9 +89,12 @@ async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterStat
     }
     state.leases_total = {s.value: n for s, n in totals.items()}
     for view in views:
-        r = view.record
+        r, load = view.record, view.load
         key = (r.model, r.version, r.role, "draining" if view.draining else "serving")
         state.workers[key] = state.workers.get(key, 0) + 1
+        if not view.draining:
+            pool = state.pools.setdefault(r.role, metrics.PoolLoad())
+            pool.add(load.running, load.waiting, load.queued_tokens, r.num_blocks, load.free_blocks)
     return state
 
 

@@ -221,4 +221,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
 
 
 def _load(msg: pb.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(msg.free_blocks, msg.running, msg.waiting, msg.transfers, msg.leases, msg.draining)
+    return WorkerLoad(
+        msg.free_blocks, msg.running, msg.waiting, msg.transfers, msg.leases, msg.draining, msg.queued_tokens
+    )

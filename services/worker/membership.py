@@ -122,6 +122,7 @@ class Membership:
             transfers=info.num_transfers,
             leases=info.num_leases,
             draining=self.draining,
+            queued_tokens=info.num_queued_tokens,
         )
 
     async def _register(self) -> None:
@@ -157,7 +158,15 @@ class Membership:
 
 
 def _key(load: scheduler_pb2.WorkerLoad) -> tuple[object, ...]:
-    return (load.free_blocks, load.running, load.waiting, load.transfers, load.leases, load.draining)
+    return (
+        load.free_blocks,
+        load.running,
+        load.waiting,
+        load.transfers,
+        load.leases,
+        load.draining,
+        load.queued_tokens,
+    )
 
 
 class RecentCancels:

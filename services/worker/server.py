@@ -130,6 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_size=kv.block_size,
             kv_backend=_backend(shell.transport),
             address=shell.address,
+            num_queued_tokens=engine.scheduler.num_queued_prompt_tokens,
         )
 
     def stats(self, engine: LLMEngine) -> WorkerStats:
