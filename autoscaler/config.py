@@ -91,8 +91,7 @@ class AutoscaleConfig:
         },
     )
     namespace: str | None = field(
-        default=None,
-        metadata={"help": "the Deployments' namespace (default: this pod's, else 'default')"},
+        default=None, metadata={"help": "the Deployments' namespace (default: this pod's, else 'default')"}
     )
     prefill_deployment: str = field(default="", metadata={"help": "the prefill pool's Deployment"})
     decode_deployment: str = field(default="", metadata={"help": "the decode pool's Deployment"})
