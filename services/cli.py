@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     admin.add_models_parser(sub)
     admin.add_tenants_parser(sub)
+    from autoscaler import cli as autoscaler_cli
+
+    autoscaler_cli.add_autoscale_parser(sub)
     _add_health_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(

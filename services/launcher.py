@@ -15,12 +15,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from autoscaler.config import PolicyConfig
 from engine.config import EngineConfig
 from rpc.flags import add_flags, config_from_args, field_like, to_argv
 from scheduler.config import ClusterSchedulerConfig, SchedulerProcessConfig
@@ -72,6 +74,30 @@ class UpConfig:
     ready_timeout: float = field(
         default=READY_TIMEOUT_S, metadata={"help": "seconds for the cluster to start serving"}
     )
+    drain_timeout_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds a stopping worker or the gateway lets its streams finish before handing them "
+            "on (a worker) or ending them with an error (the gateway)"
+        },
+    )
+    autoscale: bool = field(
+        default=False,
+        metadata={
+            "help": "size the prefill and decode pools from the cluster's metrics (baton autoscale's policy, "
+            "over worker processes on this machine)"
+        },
+    )
+    autoscale_interval_s: float = field(
+        default=2.0, metadata={"help": "--autoscale: seconds between decisions"}
+    )
+    autoscale_window_s: float = field(
+        default=10.0,
+        metadata={"help": "--autoscale: the p95s and rates a decision reads are over this many seconds"},
+    )
+    policy: PolicyConfig = PolicyConfig(
+        max_prefill=2, max_decode=4, scale_up_window_s=4.0, scale_down_window_s=30.0
+    )
     log_dir: str | None = field(
         default=None, metadata={"help": "where each process writes its log (default: a temp dir)"}
     )
@@ -81,11 +107,55 @@ class UpConfig:
             raise ValueError("--decode-workers must be at least 1")
         if self.prefill_workers < 0:
             raise ValueError("--prefill-workers must not be negative")
+        if self.autoscale and self.static:
+            raise ValueError(
+                "--autoscale needs the scheduler (it reads the pools' load there): drop --static"
+            )
+        if self.autoscale_interval_s <= 0 or self.autoscale_window_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError(
+                "the autoscale interval and window must be positive, the drain timeout not negative"
+            )
 
 
-def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[Supervisor, dict[str, str]]:
-    """The processes of the local cluster; returns them and the endpoints to print. Each child's command
-    line is `to_argv` of the config built for it here, so it is checked before anything starts."""
+@dataclass(frozen=True, slots=True)
+class WorkerFactory:
+    """How `baton up` starts one worker of a pool: at start-up, or later when the local scaler adds one."""
+
+    baton: tuple[str, ...]  # the `baton` command line, up to the subcommand
+    config: WorkerConfig  # every worker's settings but its role and ports
+    log_dir: Path
+    colocated: bool = False
+
+    def role(self, pool: str) -> str:
+        return "both" if self.colocated else pool
+
+    def name(self, pool: str) -> str:
+        return "worker" if self.colocated else f"{pool} worker"
+
+    def child(self, pool: str, index: int) -> tuple[Child, str]:
+        """The ``index``-th worker of ``pool`` (1, 2, …) on fresh ports; and its metrics address."""
+        host = self.config.host
+        port, metrics_port = free_port(host), free_port(host)
+        role = self.role(pool)
+        config = replace(self.config, role=role, port=port, metrics_port=metrics_port)
+        suffix = "" if index == 1 else f" {index}"
+        log_name = ("worker" if self.colocated else pool) + ("" if index == 1 else f"-{index}")
+        child = Child(
+            self.name(pool) + suffix,
+            [*self.baton, "worker", *to_argv(config)],
+            f"{host}:{port}",
+            self.log_dir / f"{log_name}.log",
+            pool=pool,
+        )
+        return child, f"{host}:{metrics_port}"
+
+
+def build_cluster(
+    up: UpConfig, log_dir: Path, verbose: bool = False
+) -> tuple[Supervisor, dict[str, str], WorkerFactory]:
+    """The processes of the local cluster; returns them, the endpoints to print, and how to start more
+    workers. Each child's command line is `to_argv` of the config built for it here, so it is checked
+    before anything starts."""
     baton = [sys.executable, "-m", "services.cli", *(["-v"] if verbose else [])]
     host = up.host
     engine = replace(
@@ -96,7 +166,9 @@ def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[S
         quantization=up.quantization,
         num_threads=up.threads or None,
     )
-    worker = WorkerConfig(host=host, kv_transport=up.kv_transport, engine=engine)
+    worker = WorkerConfig(
+        host=host, kv_transport=up.kv_transport, engine=engine, drain_timeout_s=up.drain_timeout_s
+    )
     cluster = Supervisor(state_path=log_dir / "processes.json")
     scheduler = redis_url = ""
     metrics: dict[str, str] = {}  # process → host:port of its /metrics
@@ -127,27 +199,20 @@ def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[S
             Child("scheduler", [*baton, "scheduler", *argv], scheduler, log_dir / "scheduler.log", phase=1)
         )
         worker = replace(worker, scheduler=scheduler, redis_url=redis_url)
+    factory = WorkerFactory(tuple(baton), worker, log_dir, up.colocated)
     pools = (
-        [("worker", "both", up.decode_workers)]
+        [("decode", up.decode_workers)]
         if up.colocated
-        else [("prefill", "prefill", up.prefill_workers), ("decode", "decode", up.decode_workers)]
+        else [("prefill", up.prefill_workers), ("decode", up.decode_workers)]
     )
     addresses: dict[str, str] = {}  # "prefill", "decode", "decode_2", … (role "both": "both", "both_2")
-    for name, role, count in pools:
+    for pool, count in pools:
         for i in range(1, count + 1):
-            key, suffix = (role, "") if i == 1 else (f"{role}_{i}", f"-{i}")
-            port, metrics_port = free_port(host), free_port(host)
-            addresses[key] = f"{host}:{port}"
-            metrics[key] = f"{host}:{metrics_port}"
-            argv = to_argv(replace(worker, role=role, port=port, metrics_port=metrics_port))
-            cluster.children.append(
-                Child(
-                    f"{name} worker{suffix.replace('-', ' ')}",
-                    [*baton, "worker", *argv],
-                    addresses[key],
-                    log_dir / f"{name}{suffix}.log",
-                )
-            )
+            role = factory.role(pool)
+            key = role if i == 1 else f"{role}_{i}"
+            child, metrics[key] = factory.child(pool, i)
+            addresses[key] = child.health_address
+            cluster.children.append(child)
     grpc_port = up.grpc_port or free_port(host)
     http_port = up.http_port or free_port(host)
     by_role = {
@@ -164,6 +229,7 @@ def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[S
         scheduler=scheduler or None,
         decode_workers=decode,
         prefill_workers=prefill,
+        drain_timeout_s=up.drain_timeout_s,
     )
     cluster.children.append(
         Child(
@@ -180,7 +246,7 @@ def build_cluster(up: UpConfig, log_dir: Path, verbose: bool = False) -> tuple[S
         endpoints["scheduler"] = scheduler
         endpoints["redis"] = redis_url
     endpoints.update({f"metrics:{name}": address for name, address in metrics.items()})
-    return cluster, endpoints
+    return cluster, endpoints, factory
 
 
 def prometheus_config(endpoints: dict[str, str]) -> str:
@@ -219,6 +285,11 @@ def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
         for k, v in endpoints.items()
         if k.startswith("metrics:")
     )
+    autoscaling = (
+        "\nThe autoscaler sizes the prefill and decode pools (its decisions are printed below)."
+        if "metrics:autoscaler" in endpoints
+        else ""
+    )
     return f"""
 Baton is up — model {model_name}
   OpenAI HTTP : {http}/v1   (health {http}/health, metrics {http}/metrics)
@@ -234,7 +305,7 @@ Try it:
   curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Which city is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
-A process that dies is started again, the rest serving on.
+A process that dies is started again, the rest serving on.{autoscaling}
 Press Ctrl-C to stop everything.
 """.rstrip()
 
@@ -259,9 +330,12 @@ def run_up(args: argparse.Namespace) -> int:
     up = replace(up, model=model_dir)
     log_dir = Path(up.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster, endpoints = build_cluster(up, log_dir, args.verbose)
+    cluster, endpoints, factory = build_cluster(up, log_dir, args.verbose)
+    if up.autoscale:
+        endpoints["metrics:autoscaler"] = f"{up.host}:{free_port(up.host)}"
     (log_dir / "prometheus.yml").write_text(prometheus_config(endpoints))
     stopping = False
+    autoscaling = threading.Event()  # set: the autoscaler's thread stops
 
     def on_signal(signum: int, frame: Any) -> None:
         nonlocal stopping
@@ -294,6 +368,8 @@ def run_up(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        if up.autoscale:
+            start_autoscaler(up, cluster, factory, endpoints, autoscaling)
         print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
         while not stopping:  # as Kubernetes would: a child that dies is started again, the rest serve on
             for event in cluster.supervise():
@@ -302,7 +378,42 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopping …", flush=True)
         return 0
     finally:
-        cluster.stop()
+        autoscaling.set()
+        cluster.stop(grace_s=up.drain_timeout_s + 5.0)
+
+
+def start_autoscaler(
+    up: UpConfig,
+    cluster: Supervisor,
+    factory: WorkerFactory,
+    endpoints: dict[str, str],
+    stop: threading.Event,
+) -> None:
+    """`--autoscale`: the autoscaler's loop on a thread of the launcher, over the local scaler (worker
+    processes started and retired here), reading the gateway's and the scheduler's /metrics; its own
+    /metrics on the port the banner names. Each decision that changes a pool is printed."""
+    from prometheus_client import start_http_server
+
+    from autoscaler.controller import Autoscaler
+    from autoscaler.policy import ReactivePolicy
+    from autoscaler.signals import MetricsSource
+    from services.local_scaler import LocalScaler
+
+    source = MetricsSource(
+        [f"http://{endpoints['metrics:gateway']}/metrics"],
+        f"http://{endpoints['metrics:scheduler']}/metrics",
+        up.autoscale_window_s,
+    )
+
+    def say(decision: Any) -> None:
+        print(f"baton up: autoscaler: {decision.describe()}", file=sys.stderr, flush=True)
+
+    autoscaler = Autoscaler(source, ReactivePolicy(up.policy), LocalScaler(cluster, factory), on_decision=say)
+    host, port = endpoints["metrics:autoscaler"].rsplit(":", 1)
+    start_http_server(int(port), host, autoscaler.metrics.registry)
+    threading.Thread(
+        target=autoscaler.run, args=(up.autoscale_interval_s, stop), name="autoscaler", daemon=True
+    ).start()
 
 
 def add_up_parser(sub: Any) -> None:

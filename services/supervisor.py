@@ -3,7 +3,9 @@ for health, and — when it exits while the cluster runs — started again with 
 the same ports) after a backoff that doubles with each quick death (0.5 s up to 10 s; a child that ran
 for a minute starts again at 0.5 s). The rest keep serving meanwhile: a decode worker's streams migrate
 to another decode worker, a scheduler's work waits for its return. Only `Supervisor.stop` (Ctrl-C) ends
-them. Torch-free, like `baton up`."""
+them — or `retire`, the local scaler's scale-down: the child is sent SIGTERM (it drains) and, once it
+has exited, forgotten instead of restarted. `add` starts a new child while the rest run (a scale-up);
+both may be called from another thread. Torch-free, like `baton up`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +91,8 @@ class Child:
     restarts: int = 0
     quick_deaths: int = 0  # deaths in a row, each before STABLE_S: the next backoff doubles
     restart_at: float | None = None  # it died: when to start it again
+    pool: str = ""  # the worker pool it belongs to ("prefill", "decode"), for the local scaler
+    retiring_since: float | None = None  # retired: sent SIGTERM at this time, never restarted
 
     def healthy(self) -> bool:
         return (self.probe or is_serving)(self.health_address)
@@ -114,6 +119,26 @@ class Child:
 class Supervisor:
     children: list[Child] = field(default_factory=list)
     state_path: Path | None = None  # where the children's names, pids and addresses are written
+    lock: threading.RLock = field(default_factory=threading.RLock)  # `add` and `retire` come from elsewhere
+
+    def add(self, child: Child) -> None:
+        """Starts a new child while the rest run (it is supervised from now on)."""
+        with self.lock:
+            self.children.append(child)
+            child.start()
+            self.write_state()
+
+    def retire(self, child: Child) -> None:
+        """Sends the child SIGTERM (a worker drains: its streams finish or move on) and lets it go: it is
+        not started again, and is dropped once it has exited."""
+        with self.lock:
+            if child.retiring_since is not None:
+                return
+            child.retiring_since = time.monotonic()
+            child.restart_at = None
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+            self.write_state()
 
     def start_phase(self, phase: int) -> list[Child]:
         started = [c for c in self.children if c.phase == phase]
@@ -146,23 +171,35 @@ class Supervisor:
         backoff is over. Returns what happened, a line each, for the operator."""
         now = time.monotonic() if now is None else now
         events = []
-        for c in self.children:
-            if c.proc is None:
-                continue
-            if c.restart_at is None and c.proc.poll() is not None:
-                c.quick_deaths = c.quick_deaths + 1 if now - c.started_at < STABLE_S else 1
-                backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (c.quick_deaths - 1))
-                c.restart_at = now + backoff
-                events.append(
-                    f"{c.name} exited ({c.proc.returncode}); starting it again in {backoff:g} s\n{c.tail(5)}"
-                )
-            elif c.restart_at is not None and now >= c.restart_at:
-                c.restart_at = None
-                c.restarts += 1
-                c.start()
-                self.write_state()
-                events.append(f"{c.name} started again (restart {c.restarts}, pid {c.proc.pid})")
+        with self.lock:
+            for c in list(self.children):
+                if c.retiring_since is not None:
+                    if c.proc is None or c.proc.poll() is not None:
+                        self.children.remove(c)
+                        self.write_state()
+                        code = c.proc.returncode if c.proc is not None else None
+                        events.append(
+                            f"{c.name} retired: exited ({code}) {now - c.retiring_since:.1f} s after SIGTERM"
+                        )
+                    continue
+                events.extend(self._supervise_one(c, now))
         return events
+
+    def _supervise_one(self, c: Child, now: float) -> list[str]:
+        if c.proc is None:
+            return []
+        if c.restart_at is None and c.proc.poll() is not None:
+            c.quick_deaths = c.quick_deaths + 1 if now - c.started_at < STABLE_S else 1
+            backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (c.quick_deaths - 1))
+            c.restart_at = now + backoff
+            return [f"{c.name} exited ({c.proc.returncode}); starting it again in {backoff:g} s\n{c.tail(5)}"]
+        if c.restart_at is not None and now >= c.restart_at:
+            c.restart_at = None
+            c.restarts += 1
+            c.start()
+            self.write_state()
+            return [f"{c.name} started again (restart {c.restarts}, pid {c.proc.pid})"]
+        return []
 
     def write_state(self) -> None:
         """The children's names, pids and addresses, as JSON (for operators and tests: which pid is which)."""
@@ -174,6 +211,8 @@ class Supervisor:
                 "pid": c.proc.pid if c.proc else None,
                 "address": c.health_address,
                 "restarts": c.restarts,
+                "pool": c.pool,
+                "retiring": c.retiring_since is not None,
             }
             for c in self.children
         ]
@@ -183,6 +222,10 @@ class Supervisor:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first, so it stops taking requests), then SIGKILL stragglers."""
+        with self.lock:
+            self._stop(grace_s)
+
+    def _stop(self, grace_s: float) -> None:
         for c in reversed(self.children):
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)

@@ -378,7 +378,7 @@ def test_the_launcher_starts_its_children_with_the_configs_it_built(tmp_path: Pa
     up = launcher.UpConfig(
         model="/models/tiny", static=True, kv_transport="tcp", dtype="float32", threads=2, grpc_port=0
     )
-    cluster, endpoints = launcher.build_cluster(up, tmp_path)
+    cluster, endpoints, _ = launcher.build_cluster(up, tmp_path)
     children = {c.name: c.argv[c.argv.index("services.cli") + 1 :] for c in cluster.children}
     assert set(children) == {"prefill worker", "decode worker", "gateway"}
     prefill = parse(*children["prefill worker"])

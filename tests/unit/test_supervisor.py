@@ -44,6 +44,8 @@ def test_a_dead_child_is_started_again_after_a_doubling_backoff(tmp_path: Path) 
             "pid": child.proc.pid,
             "address": "127.0.0.1:1",
             "restarts": n,
+            "pool": "",
+            "retiring": False,
         }
     assert backoffs == [
         BACKOFF_S * 2**i if BACKOFF_S * 2**i < MAX_BACKOFF_S else MAX_BACKOFF_S for i in range(6)
