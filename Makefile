@@ -53,7 +53,7 @@ $(HELM): deploy/helm/install-tools.sh
 test: setup $(HELM)
 	$(PY) -m pytest
 
-test-fast: $(STAMP) proto
+test-fast: $(STAMP) proto $(HELM)
 	$(PY) -m pytest -m unit
 
 bench: setup
