@@ -5,10 +5,13 @@ the new history a result — so it is tested without a cluster, a clock or a mod
 `ReactivePolicy` sizes the prefill and decode pools apart:
 
 * **decode** grows on an inter-token latency p95 over its target, KV cache usage over ``kv_high``, or
-  requests waiting for decode capacity (on the workers, or in the scheduler's queue while prefill has
-  no backlog); **prefill** grows on a backlog of prompt tokens over ``queue_tokens_high`` per replica,
-  or a TTFT p95 over its target while that backlog is real. Requests refused for capacity count as
-  demand too (an autoscaler that reads completions only never sees an overload it causes).
+  requests waiting for decode capacity (on the workers, or in the scheduler's queue because no decode
+  worker had room); **prefill** grows on a backlog of prompt tokens over ``queue_tokens_high`` per
+  replica, or a TTFT p95 over its target while prompts wait for it (a backlog, or requests in the
+  scheduler's queue because every prefill worker was full). Demand is counted on arrival, refused
+  requests included, and a pool with refusals is never shrunk (an autoscaler that reads completions
+  only never sees an overload it causes; refusals alone do not grow a pool: a tenant's quota refuses
+  too).
 * A pool shrinks by one only if, **with one replica fewer**, its projected p95 and KV usage stay under
   ``headroom`` of their targets: the load of N replicas spread over N − 1, latency assumed to grow in
   proportion (an overestimate where a batch step is memory-bound, so a safe one). A replica removed
@@ -45,7 +48,6 @@ class Reason(StrEnum):
     KV_PRESSURE = "kv_pressure"  # decode KV cache usage over kv_high
     DECODE_QUEUE = "decode_queue"  # requests waiting for decode capacity
     PREFILL_BACKLOG = "prefill_backlog"  # prompt tokens queued per prefill replica over the limit
-    REFUSED = "refused"  # requests refused for capacity
     PENDING = "pending"  # replicas asked for are not ready yet: wait for them
     NO_SIGNAL = "no_signal"  # the metrics could not be read: change nothing
     BELOW_MIN = "below_min"  # fewer replicas than the minimum
@@ -62,7 +64,6 @@ UP_REASONS = frozenset(
         Reason.KV_PRESSURE,
         Reason.DECODE_QUEUE,
         Reason.PREFILL_BACKLOG,
-        Reason.REFUSED,
         Reason.BELOW_MIN,
     }
 )
@@ -160,14 +161,12 @@ class ReactivePolicy:
             return Recommendation(
                 max(want, n + 1), Reason.KV_PRESSURE, f"KV usage {d.kv_usage:.2f} > {c.kv_high:g}"
             )
-        prefill_backlogged = s.prefill.queued_tokens > c.queue_tokens_high * max(1, s.prefill.workers)
-        if d.waiting or (s.queue_depth and not prefill_backlogged):
-            detail = f"{d.waiting} waiting on the decode workers, {s.queue_depth} in the scheduler's queue"
-            return Recommendation(n + 1, Reason.DECODE_QUEUE, detail)
-        if s.refused_rate > 0 and not prefill_backlogged:
-            return Recommendation(
-                n + 1, Reason.REFUSED, f"{s.refused_rate:.2f} requests/s refused for capacity"
+        if d.waiting or s.queue_for_decode:
+            detail = (
+                f"{d.waiting} waiting on the decode workers, {s.queue_for_decode} in the scheduler's queue "
+                "for want of a decode worker with room"
             )
+            return Recommendation(n + 1, Reason.DECODE_QUEUE, detail)
         return None
 
     def _prefill_up(self, s: Signals, n: int) -> Recommendation | None:
@@ -178,10 +177,13 @@ class ReactivePolicy:
             detail = f"{p.queued_tokens} prompt tokens queued on {n} replicas (> {c.queue_tokens_high} each)"
             return Recommendation(max(want, n + 1), Reason.PREFILL_BACKLOG, detail)
         slo_s = c.ttft_slo_ms / 1e3
-        backlogged = per_replica > c.queue_tokens_high / 4 or (s.queue_depth > 0 and p.queued_tokens > 0)
+        backlogged = per_replica > c.queue_tokens_high / 4 or s.queue_for_prefill > 0
         if s.ttft_p95_s is not None and s.ttft_p95_s > slo_s and (backlogged or n == 0):
             want = math.ceil(max(1, n) * s.ttft_p95_s / slo_s)
-            detail = f"TTFT p95 {_ms(s.ttft_p95_s)} > {c.ttft_slo_ms:g} ms with {p.queued_tokens} prompt tokens queued"
+            detail = (
+                f"TTFT p95 {_ms(s.ttft_p95_s)} > {c.ttft_slo_ms:g} ms with {p.queued_tokens} prompt tokens "
+                f"queued and {s.queue_for_prefill} requests waiting for a prefill worker"
+            )
             return Recommendation(max(want, n + 1), Reason.TTFT_SLO, detail)
         return None
 
@@ -202,7 +204,7 @@ class ReactivePolicy:
                 (itl is None or itl <= c.headroom * c.itl_slo_ms / 1e3)
                 and kv <= c.headroom * c.kv_high
                 and not d.waiting
-                and not s.queue_depth
+                and not s.queue_for_decode
                 and not s.refused_rate
             )
             detail = f"at {n - 1}: ITL p95 ~{_ms(itl)} (target {c.itl_slo_ms:g} ms), KV usage ~{kv:.2f}"
@@ -210,8 +212,11 @@ class ReactivePolicy:
             p = s.prefill
             ttft = None if s.ttft_p95_s is None else s.ttft_p95_s * grow
             per_replica = p.queued_tokens / (n - 1)
-            fits = (ttft is None or ttft <= c.headroom * c.ttft_slo_ms / 1e3) and per_replica <= (
-                c.headroom * c.queue_tokens_high / 4
+            fits = (
+                (ttft is None or ttft <= c.headroom * c.ttft_slo_ms / 1e3)
+                and per_replica <= c.headroom * c.queue_tokens_high / 4
+                and not s.queue_for_prefill
+                and not s.refused_rate
             )
             detail = f"at {n - 1}: TTFT p95 ~{_ms(ttft)} (target {c.ttft_slo_ms:g} ms), {per_replica:.0f} tokens queued each"
         if fits:

@@ -55,6 +55,8 @@ class Signals:
     ttft_p95_s: float | None = None  # None: nothing completed in the window
     itl_p95_s: float | None = None  # None: no token gap observed in the window
     queue_depth: int = 0  # requests waiting in the scheduler's fair queue for capacity
+    queue_for_prefill: int = 0  # of those, the ones whose last look found every prefill worker full
+    queue_for_decode: int = 0  # … and no decode worker with room
     prefill: PoolSignals = field(default_factory=PoolSignals)
     decode: PoolSignals = field(default_factory=PoolSignals)
     sources_down: tuple[str, ...] = ()  # endpoints that did not answer this time
@@ -93,14 +95,17 @@ def parse_gateway(text: str) -> GatewaySample:
     return sample
 
 
-def parse_scheduler(text: str) -> tuple[int, dict[str, PoolSignals]]:
-    """The fair queue's depth and each role's pool, from a scheduler's exposition."""
-    depth, workers = 0, dict[str, int]()
+def parse_scheduler(text: str) -> tuple[int, dict[str, int], dict[str, PoolSignals]]:
+    """From a scheduler replica's exposition: the fair queue's depth (cluster-wide), this replica's
+    waiters by the pool they wait for, and each role's pool (cluster-wide)."""
+    depth, workers, waiting_for = 0, dict[str, int](), dict[str, int]()
     values: dict[tuple[str, str], float] = {}  # (series, role) → value
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "baton_scheduler_queue_depth":
                 depth = int(s.value)
+            elif s.name == "baton_scheduler_queue_waiting_for":
+                waiting_for[s.labels.get("pool", "")] = int(s.value)
             elif s.name == "baton_scheduler_workers" and s.labels.get("state") == "serving":
                 role = s.labels.get("role", "")
                 workers[role] = workers.get(role, 0) + int(s.value)
@@ -116,7 +121,7 @@ def parse_scheduler(text: str) -> tuple[int, dict[str, PoolSignals]]:
             kv_blocks=int(values.get(("kv_blocks", role), 0)),
             kv_blocks_free=int(values.get(("kv_blocks_free", role), 0)),
         )
-    return depth, pools
+    return depth, waiting_for, pools
 
 
 def quantile(q: float, buckets: Buckets) -> float | None:
@@ -218,20 +223,30 @@ class MetricsSource:
                 except (OSError, ValueError, urllib.error.URLError) as e:
                     log.warning("cannot scrape %s: %s", url, e)
                     down.append(url)
-        depth, pools = 0, dict[str, PoolSignals]()
-        if self.scheduler_url:
+        depth, waiting_for, pools = 0, dict[str, int](), dict[str, PoolSignals]()
+        # Every scheduler replica (a headless Service names each): the queue's waiters are per replica.
+        for url in expand(self.scheduler_url, self._resolve) if self.scheduler_url else ():
             try:
-                depth, pools = parse_scheduler(self._get(self.scheduler_url))
+                replica_depth, replica_waiting, pools = parse_scheduler(self._get(url))
             except (OSError, ValueError, urllib.error.URLError) as e:
-                log.warning("cannot scrape %s: %s", self.scheduler_url, e)
-                down.append(self.scheduler_url)
+                log.warning("cannot scrape %s: %s", url, e)
+                down.append(url)
+                continue
+            depth = max(depth, replica_depth)
+            for pool, n in replica_waiting.items():
+                waiting_for[pool] = waiting_for.get(pool, 0) + n
         self._history.append((now, samples))
         while len(self._history) > 2 and self._history[1][0] <= now - self.window_s:
             self._history.popleft()  # keep one sample at or before the window's start
-        return self._signals(now, depth, pools, tuple(down))
+        return self._signals(now, depth, waiting_for, pools, tuple(down))
 
     def _signals(
-        self, now: float, depth: int, pools: Mapping[str, PoolSignals], down: tuple[str, ...]
+        self,
+        now: float,
+        depth: int,
+        waiting_for: Mapping[str, int],
+        pools: Mapping[str, PoolSignals],
+        down: tuple[str, ...],
     ) -> Signals:
         since = self._history[0][0]
         span = now - since
@@ -261,6 +276,8 @@ class MetricsSource:
             ttft_p95_s=quantile(0.95, ttft),
             itl_p95_s=quantile(0.95, itl),
             queue_depth=depth,
+            queue_for_prefill=waiting_for.get("prefill", 0),
+            queue_for_decode=waiting_for.get("decode", 0),
             prefill=pools.get("prefill", PoolSignals()),
             decode=decode,
             sources_down=down,

@@ -141,6 +141,7 @@ class ClusterState:
     stranded_blocks: int = 0
     queue_depth: int = 0  # requests in the fair queue, every replica's
     waiting_here: int = 0  # this replica's requests in the fair queue
+    waiting_for: dict[str, int] = field(default_factory=dict)  # of those, by the pool that had no room
     workers: dict[tuple[str, str, str, str], int] = field(
         default_factory=dict
     )  # (model, version, role, state)
@@ -161,8 +162,16 @@ class ClusterStateCollector(Collector):
             "baton_scheduler_queue_waiting", "This replica's Place calls waiting in the queue."
         )
         here.add_metric([], s.waiting_here)
+        waiting_for = GaugeMetricFamily(
+            "baton_scheduler_queue_waiting_for",
+            "This replica's Place calls waiting in the queue, by the pool (prefill, decode) that had no room "
+            "at their last look.",
+            labels=["pool"],
+        )
+        for pool, n in sorted(s.waiting_for.items()):
+            waiting_for.add_metric([pool], n)
         if not s.redis_up:  # no cluster-wide series rather than zeros that look real
-            return [up, here]
+            return [up, here, waiting_for]
         active = GaugeMetricFamily(
             "baton_scheduler_leases_active",
             "KV leases held now (cluster-wide), by state (pinned, pulling).",
@@ -200,4 +209,4 @@ class ClusterStateCollector(Collector):
             for role, load in sorted(s.pools.items()):
                 family.add_metric([role], getattr(load, attr))
             pools.append(family)
-        return [up, active, total, stranded, depth, here, workers, *pools]
+        return [up, active, total, stranded, depth, here, waiting_for, workers, *pools]

@@ -85,7 +85,11 @@ class Placement:
 
 class NoCapacity(Exception):
     """No worker can take the request now (every decode worker, or every prefill worker, is full or
-    excluded)."""
+    excluded); ``pool`` says which (what an autoscaler would add)."""
+
+    def __init__(self, message: str, pool: str) -> None:
+        super().__init__(message)
+        self.pool = pool
 
 
 class Placer:
@@ -154,7 +158,7 @@ class Placer:
             ):
                 decode, best = c, cost
         if decode is None:
-            raise NoCapacity("no decode worker has room for this request now")
+            raise NoCapacity("no decode worker has room for this request now", "decode")
         left_on_decode = num_prompt_tokens - decode.hit_blocks * block_size
         prefills = [c for c in prefill_pool if c.address not in exclude and c.address != decode.address]
         if left_on_decode < self.policy.local_prefill_threshold or not prefills:
@@ -166,6 +170,6 @@ class Placer:
                 light and left_on_decode <= self.policy.light_local_max_tokens
             ):
                 return Placement(None, decode, best)  # conditional disaggregation: prefill on D
-            raise NoCapacity("every prefill worker's queue is full")
+            raise NoCapacity("every prefill worker's queue is full", "prefill")
         prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
         return Placement(prefill, decode, best)

@@ -105,6 +105,8 @@ class Decider:
             str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]
         ] = {}  # see _by_version
         self._waiting_here = 0  # requests of this replica in the fair queue
+        # Of those, how many found no room in each pool at their last look (what an autoscaler would add).
+        self.waiting_for: dict[str, int] = {"prefill": 0, "decode": 0}
         self._claim = asyncio.Lock()  # one waiter at a time turns seen room into a placement
         self._load_changed = asyncio.Event()  # set (and replaced) when a heartbeat here changes a load
         self._uncharged: dict[
@@ -300,12 +302,12 @@ class Decider:
                 *pools, num_prompt_tokens, request.max_tokens, block_size, exclude, light
             )
 
-        why = "others are waiting"
+        why, blocked = "others are waiting", ""
         if not self._waiting_here:  # with others waiting, a newcomer queues too: the fair order decides
             try:
                 placement = place(await self.pools(model, version, chain))
             except NoCapacity as e:  # no room now: wait below
-                why = str(e)
+                why, blocked = str(e), e.pool
             else:
                 self.note_placement(placement, blocks_needed)
                 # Fair order counts every admission, not only the queued ones: charged to the tenant's
@@ -322,6 +324,18 @@ class Decider:
         ready_key = f"{config.prefix}fq:ready:{rid}"
         stalled = 0  # polls in a row that saw room while another request was next
         self._waiting_here += 1
+
+        def blocked_on(pool: str) -> None:
+            nonlocal blocked
+            if pool != blocked:
+                if blocked:
+                    self.waiting_for[blocked] -= 1
+                if pool:
+                    self.waiting_for[pool] += 1
+                blocked = pool
+
+        if blocked:
+            self.waiting_for[blocked] += 1
         try:
             # A light tenant's prompt need not wait for a heavier one's prefill (scheduler.placement).
             policy = self._placer.policy
@@ -337,8 +351,10 @@ class Decider:
                 async with self._claim:  # the load read inside: it must include the last waiter's claim
                     try:
                         placement = place(await self.pools(model, version, chain), light)
-                    except NoCapacity:
+                    except NoCapacity as e:
+                        blocked_on(e.pool)
                         continue
+                    blocked_on("")  # room: only its turn in the fair order is awaited
                     await self.flush_charges()
                     if await self._queue.pop_if_next(rid) or await self._client.delete(ready_key):
                         self.note_placement(placement, blocks_needed)
@@ -370,6 +386,7 @@ class Decider:
             )
         finally:
             metrics.record_queue_wait(time.monotonic() - t0, tenant.name, waited)
+            blocked_on("")
             self._waiting_here -= 1
             await self._queue.remove(rid)
             await self._client.delete(ready_key)

@@ -73,7 +73,7 @@ def redis_client(url: str) -> aioredis.Redis:
 
 async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterState:
     """The cluster state one scrape shows, read from Redis (``redis_up`` False if it cannot be)."""
-    state = metrics.ClusterState(waiting_here=servicer.waiting_here)
+    state = metrics.ClusterState(waiting_here=servicer.waiting_here, waiting_for=servicer.waiting_for)
     try:
         counts = await servicer.leases.counts()
         totals = await servicer.leases.totals()

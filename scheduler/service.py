@@ -107,6 +107,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         """Place calls of this replica waiting in the fair queue now."""
         return self.decider.waiting_here
 
+    @property
+    def waiting_for(self) -> dict[str, int]:
+        """Of those, how many found no room in each pool (prefill, decode) at their last look."""
+        return dict(self.decider.waiting_for)
+
     # ------------------------------------------------------------------ the per-request calls
     async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
         return await unless_store_down(self.decider.place(request))

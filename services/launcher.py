@@ -57,6 +57,9 @@ class UpConfig:
     kv_cache_memory: int = field_like(
         WorkerConfig, "engine.kv_cache_memory", help="each worker's KV cache budget, e.g. 512MiB"
     )
+    max_num_seqs: int = field_like(
+        WorkerConfig, "engine.max_num_seqs", help="each worker's running batch, in requests at most"
+    )
     dtype: str = field_like(
         WorkerConfig,
         "engine.dtype",
@@ -162,6 +165,7 @@ def build_cluster(
         WORKER_ENGINE,
         model=up.model,
         kv_cache_memory=up.kv_cache_memory,
+        max_num_seqs=up.max_num_seqs,
         dtype=up.dtype,
         quantization=up.quantization,
         num_threads=up.threads or None,

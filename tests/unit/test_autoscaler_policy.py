@@ -34,6 +34,7 @@ def signals(
     waiting: int = 0,
     queued: int = 0,
     depth: int = 0,
+    prefill_queue: int = 0,
     arrivals: float = 2.0,
     refused: float = 0.0,
     workers: int = 1,
@@ -46,7 +47,9 @@ def signals(
         completed=int(arrivals * 30),
         ttft_p95_s=None if ttft_ms is None else ttft_ms / 1e3,
         itl_p95_s=None if itl_ms is None else itl_ms / 1e3,
-        queue_depth=depth,
+        queue_depth=depth + prefill_queue,
+        queue_for_prefill=prefill_queue,
+        queue_for_decode=depth,
         prefill=PoolSignals(workers=1, queued_tokens=queued, kv_blocks=500, kv_blocks_free=500),
         decode=PoolSignals(
             workers=workers,
@@ -92,12 +95,14 @@ def test_kv_pressure_and_waiting_requests_grow_decode_too() -> None:
     assert decode_decision(policy, 0, signals(kv=0.95), pools(2), ())[0].reason is Reason.KV_PRESSURE
     assert decode_decision(policy, 0, signals(waiting=3), pools(2), ())[0].reason is Reason.DECODE_QUEUE
     assert decode_decision(policy, 0, signals(depth=4), pools(2), ())[0].reason is Reason.DECODE_QUEUE
-    assert decode_decision(policy, 0, signals(refused=0.5), pools(2), ())[0].reason is Reason.REFUSED
-    # The scheduler's queue with a prefill backlog behind it is prefill's to fix, not decode's.
-    backlog = signals(depth=4, queued=10 * CONFIG.queue_tokens_high)
-    decisions, _ = policy.decide(0, backlog, pools(2), ())
+    # Requests waiting in the scheduler's queue for a prefill worker are prefill's to fix, not decode's.
+    waits = signals(prefill_queue=4, ttft_ms=900, queued=10 * CONFIG.queue_tokens_high)
+    decisions, _ = policy.decide(0, waits, pools(2), ())
     by_pool = {d.pool: d for d in decisions}
-    assert by_pool["decode"].direction == "hold" and by_pool["prefill"].reason is Reason.PREFILL_BACKLOG
+    assert by_pool["decode"].direction != "up" and by_pool["prefill"].reason is Reason.PREFILL_BACKLOG
+    # Refusals alone (a tenant's quota refuses too) grow nothing, but no pool shrinks while they come.
+    refusing = signals(itl_ms=5, kv=0.05, refused=0.5, workers=2)
+    assert decode_decision(policy, 0, refusing, pools(2), ())[0].reason is Reason.STEADY
 
 
 def test_a_ttft_breach_grows_prefill_only_with_a_prefill_backlog() -> None:
@@ -107,6 +112,8 @@ def test_a_ttft_breach_grows_prefill_only_with_a_prefill_backlog() -> None:
     assert prefill.reason is Reason.TTFT_SLO and prefill.desired >= 2
     decisions, _ = policy.decide(0, signals(ttft_ms=900, queued=0), pools(1), ())
     assert next(d for d in decisions if d.pool == "prefill").direction == "hold"
+    decisions, _ = policy.decide(0, signals(ttft_ms=900, prefill_queue=3), pools(1), ())
+    assert next(d for d in decisions if d.pool == "prefill").reason is Reason.TTFT_SLO
 
 
 def test_no_scale_up_while_replicas_are_pending() -> None:

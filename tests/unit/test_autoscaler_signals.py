@@ -55,11 +55,14 @@ class FakeGateway:
         return generate_latest(self.registry).decode()
 
 
-def scheduler_text(depth: int = 0, **pools: scheduler_metrics.PoolLoad) -> str:
+def scheduler_text(
+    depth: int = 0, waiting_for: dict[str, int] | None = None, **pools: scheduler_metrics.PoolLoad
+) -> str:
     collector = scheduler_metrics.ClusterStateCollector()
     state = collector.state
     state.redis_up = True
     state.queue_depth = depth
+    state.waiting_for = dict(waiting_for or {})
     for role, load in pools.items():
         state.pools[role] = load
         state.workers[("m", "v", role, "serving")] = 2
@@ -91,11 +94,12 @@ def source(pages: dict[str, str], clock: Clock, window_s: float = 30.0) -> Metri
 def test_the_scheduler_page_gives_each_pool_its_serving_workers_load() -> None:
     text = scheduler_text(
         3,
+        {"prefill": 1, "decode": 2},
         decode=scheduler_metrics.PoolLoad(running=12, waiting=2, kv_blocks=1000, kv_blocks_free=250),
         prefill=scheduler_metrics.PoolLoad(queued_tokens=5000, kv_blocks=500, kv_blocks_free=500),
     )
-    depth, pools = parse_scheduler(text)
-    assert depth == 3
+    depth, waiting_for, pools = parse_scheduler(text)
+    assert depth == 3 and waiting_for == {"prefill": 1, "decode": 2}
     assert pools["decode"] == PoolSignals(
         workers=2, running=12, waiting=2, kv_blocks=1000, kv_blocks_free=250
     )
@@ -160,6 +164,29 @@ def test_quantile_interpolates_inside_its_bucket_like_prometheus() -> None:
     assert quantile(0.95, buckets) == pytest.approx(0.038)
     assert quantile(0.95, {0.1: 0.0, math.inf: 10.0}) == 0.1  # in +Inf: the highest finite bound
     assert quantile(0.95, {0.1: 0.0, math.inf: 0.0}) is None
+
+
+def test_every_scheduler_replica_is_read_for_its_own_waiters() -> None:
+    """The queue's depth and the pools are cluster-wide (any replica says the same); who waits for what
+    is each replica's own, so the waiters of all replicas are added up."""
+    pages = {
+        "http://10.0.0.1:9400/metrics": scheduler_text(
+            5, {"prefill": 1, "decode": 2}, decode=scheduler_metrics.PoolLoad(running=3)
+        ),
+        "http://10.0.0.2:9400/metrics": scheduler_text(
+            5, {"decode": 2}, decode=scheduler_metrics.PoolLoad(running=3)
+        ),
+    }
+    src = MetricsSource(
+        [],
+        "http://sched-headless:9400/metrics",
+        30,
+        Clock(),
+        pages.__getitem__,
+        lambda h: ["10.0.0.1", "10.0.0.2"],
+    )
+    s = src.read()
+    assert (s.queue_depth, s.queue_for_prefill, s.queue_for_decode) == (5, 1, 4) and s.decode.workers == 2
 
 
 def test_a_headless_service_is_scraped_at_every_address() -> None:

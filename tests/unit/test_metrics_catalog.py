@@ -79,6 +79,7 @@ def test_every_metric_defined_is_documented_with_its_type_and_labels_and_vice_ve
     state.state.redis_up = True
     state.state.workers[("m", "v", "prefill", "serving")] = 1
     state.state.pools["decode"] = scheduler_metrics.PoolLoad(running=1)
+    state.state.waiting_for["decode"] = 1
     scheduler = CollectorRegistry(auto_describe=False)
     scheduler.register(rpc_metrics.Forward(scheduler_metrics.REGISTRY))
     scheduler.register(state)
