@@ -110,7 +110,7 @@ class Autoscaler:
         self.metrics = metrics or AutoscalerMetrics()
         self.clock = clock
         self.on_decision = on_decision  # hears every decision that changes a pool (baton up prints them)
-        self.history: History = ()
+        self.history = History()
         self.last: list[Decision] = []
 
     def pools(self, signals: Signals | None) -> dict[str, PoolState]:

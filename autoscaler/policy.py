@@ -100,7 +100,18 @@ class Decision:
         return f"{self.pool} {change} ({self.reason}; recommended {self.recommended}): {self.detail}"
 
 
-History = tuple[tuple[float, str, int], ...]  # (time, pool, recommended replicas), oldest first
+@dataclass(frozen=True, slots=True)
+class History:
+    """What the policy remembers from one decision to the next (given and returned: it stays pure)."""
+
+    recommendations: tuple[tuple[float, str, int], ...] = ()  # (time, pool, replicas), oldest first
+    # pool → the requests per replica it held when its requests last queued for it: its capacity as
+    # seen, which a scale-down must leave room for (a pool that queued at 5 per replica must not be
+    # shrunk to hold 8 on one).
+    saturation: tuple[tuple[str, float], ...] = ()
+
+    def saturated_at(self, pool: str) -> float | None:
+        return dict(self.saturation).get(pool)
 
 
 class Policy(Protocol):
@@ -127,7 +138,9 @@ class ReactivePolicy:
 
     # --- what the signals ask for --------------------------------------------------------------
 
-    def recommend(self, pool: str, signals: Signals | None, state: PoolState) -> Recommendation:
+    def recommend(
+        self, pool: str, signals: Signals | None, state: PoolState, saturated_at: float | None = None
+    ) -> Recommendation:
         low, high = self.bounds(pool)
         n = state.desired
         if n < low:
@@ -146,7 +159,7 @@ class ReactivePolicy:
             return up
         if state.pending:
             return Recommendation(n, Reason.PENDING, f"{state.pending} replicas not ready yet")
-        return self._down(pool, signals, n, low)
+        return self._down(pool, signals, n, low, saturated_at)
 
     def _decode_up(self, s: Signals, n: int) -> Recommendation | None:
         c, d = self.config, s.decode
@@ -187,8 +200,10 @@ class ReactivePolicy:
             return Recommendation(max(want, n + 1), Reason.TTFT_SLO, detail)
         return None
 
-    def _down(self, pool: str, s: Signals, n: int, low: int) -> Recommendation:
-        """The load of n replicas on n − 1: a replica goes only if the targets still hold with headroom."""
+    def _down(self, pool: str, s: Signals, n: int, low: int, saturated_at: float | None) -> Recommendation:
+        """The load of n replicas on n − 1: a replica goes only if the targets still hold with headroom,
+        and the requests each would hold stay under ``headroom`` of what a replica held when requests
+        last queued for the pool (``saturated_at``; unknown until they have)."""
         c = self.config
         if n <= low:
             return Recommendation(n, Reason.STEADY, f"at the minimum ({low})")
@@ -219,6 +234,11 @@ class ReactivePolicy:
                 and not s.refused_rate
             )
             detail = f"at {n - 1}: TTFT p95 ~{_ms(ttft)} (target {c.ttft_slo_ms:g} ms), {per_replica:.0f} tokens queued each"
+        load = s.pool(pool)
+        held = (load.running + load.waiting) / (n - 1)
+        if saturated_at is not None:
+            fits = fits and held <= c.headroom * saturated_at
+            detail += f", {held:.1f} requests each (it queued at {saturated_at:.1f})"
         if fits:
             return Recommendation(n - 1, Reason.UNDERUSED, detail)
         return Recommendation(n, Reason.STEADY, detail)
@@ -230,13 +250,19 @@ class ReactivePolicy:
     ) -> tuple[list[Decision], History]:
         c = self.config
         horizon = now - max(c.scale_up_window_s, c.scale_down_window_s)
-        kept = [h for h in history if h[0] >= horizon]
+        kept = [h for h in history.recommendations if h[0] >= horizon]
+        saturation = dict(history.saturation)
         decisions = []
         for pool in POOLS:
             state = pools.get(pool)
             if state is None:
                 continue
-            rec = self.recommend(pool, signals, state)
+            if signals is not None and not signals.sources_down:
+                load = signals.pool(pool)
+                queued = signals.queue_for_decode if pool == "decode" else signals.queue_for_prefill
+                if (queued or load.waiting) and load.workers:
+                    saturation[pool] = (load.running + load.waiting) / load.workers
+            rec = self.recommend(pool, signals, state, saturation.get(pool))
             kept.append((now, pool, rec.replicas))
             mine = [(t, r) for t, p, r in kept if p == pool]
             n, low, high = state.desired, *self.bounds(pool)
@@ -252,4 +278,4 @@ class ReactivePolicy:
                     desired = max(ceiling, n - c.max_step_down)
             desired = max(low, min(high, desired))
             decisions.append(Decision(pool, n, state.ready, desired, rec.replicas, rec.reason, rec.detail))
-        return decisions, tuple(kept)
+        return decisions, History(tuple(kept), tuple(sorted(saturation.items())))

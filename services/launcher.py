@@ -57,6 +57,8 @@ class UpConfig:
     kv_cache_memory: int = field_like(
         WorkerConfig, "engine.kv_cache_memory", help="each worker's KV cache budget, e.g. 512MiB"
     )
+    max_prefill_queue: int = field_like(ClusterSchedulerConfig, "max_prefill_queue")
+    max_decode_queue: int = field_like(ClusterSchedulerConfig, "max_decode_queue")
     max_num_seqs: int = field_like(
         WorkerConfig, "engine.max_num_seqs", help="each worker's running batch, in requests at most"
     )
@@ -196,7 +198,12 @@ def build_cluster(
         metrics_port = free_port(host)
         metrics["scheduler"] = f"{host}:{metrics_port}"
         replica = ClusterSchedulerConfig(
-            redis_url=redis_url, host=host, port=scheduler_port, accept_any_key=True
+            redis_url=redis_url,
+            host=host,
+            port=scheduler_port,
+            accept_any_key=True,
+            max_prefill_queue=up.max_prefill_queue,
+            max_decode_queue=up.max_decode_queue,
         )
         argv = to_argv(SchedulerProcessConfig(replica, metrics_port=metrics_port))
         cluster.children.append(
@@ -373,7 +380,7 @@ def run_up(args: argparse.Namespace) -> int:
             )
             return 1
         if up.autoscale:
-            start_autoscaler(up, cluster, factory, endpoints, autoscaling)
+            start_autoscaler(up, cluster, factory, endpoints, log_dir, autoscaling)
         print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
         while not stopping:  # as Kubernetes would: a child that dies is started again, the rest serve on
             for event in cluster.supervise():
@@ -391,6 +398,7 @@ def start_autoscaler(
     cluster: Supervisor,
     factory: WorkerFactory,
     endpoints: dict[str, str],
+    log_dir: Path,
     stop: threading.Event,
 ) -> None:
     """`--autoscale`: the autoscaler's loop on a thread of the launcher, over the local scaler (worker
@@ -409,8 +417,13 @@ def start_autoscaler(
         up.autoscale_window_s,
     )
 
+    decisions = log_dir / "autoscaler.log"
+
     def say(decision: Any) -> None:
-        print(f"baton up: autoscaler: {decision.describe()}", file=sys.stderr, flush=True)
+        line = f"autoscaler: {decision.describe()}"
+        print(f"baton up: {line}", file=sys.stderr, flush=True)
+        with decisions.open("a") as f:  # for the operator (and the tests), as the other processes' logs
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
 
     autoscaler = Autoscaler(source, ReactivePolicy(up.policy), LocalScaler(cluster, factory), on_decision=say)
     host, port = endpoints["metrics:autoscaler"].rsplit(":", 1)

@@ -73,7 +73,7 @@ def decode_decision(
 
 
 def test_an_itl_breach_grows_decode_once_it_has_held_for_the_up_window() -> None:
-    policy, h = ReactivePolicy(CONFIG), ()
+    policy, h = ReactivePolicy(CONFIG), History()
     d, h = decode_decision(policy, 0, signals(itl_ms=10), pools(1), h)
     assert d.desired == 1 and d.reason is Reason.STEADY
     d, h = decode_decision(policy, 5, signals(itl_ms=45), pools(1), h)
@@ -84,48 +84,52 @@ def test_an_itl_breach_grows_decode_once_it_has_held_for_the_up_window() -> None
 
 def test_a_big_breach_is_capped_by_the_step_and_the_maximum() -> None:
     policy = ReactivePolicy(CONFIG)
-    d, _ = decode_decision(policy, 0, signals(itl_ms=300), pools(1), ())
+    d, _ = decode_decision(policy, 0, signals(itl_ms=300), pools(1), History())
     assert d.recommended == 10 and d.desired == 1 + CONFIG.max_step_up
-    d, _ = decode_decision(policy, 0, signals(itl_ms=300), pools(5), ())
+    d, _ = decode_decision(policy, 0, signals(itl_ms=300), pools(5), History())
     assert d.desired == CONFIG.max_decode
 
 
 def test_kv_pressure_and_waiting_requests_grow_decode_too() -> None:
     policy = ReactivePolicy(CONFIG)
-    assert decode_decision(policy, 0, signals(kv=0.95), pools(2), ())[0].reason is Reason.KV_PRESSURE
-    assert decode_decision(policy, 0, signals(waiting=3), pools(2), ())[0].reason is Reason.DECODE_QUEUE
-    assert decode_decision(policy, 0, signals(depth=4), pools(2), ())[0].reason is Reason.DECODE_QUEUE
+    assert decode_decision(policy, 0, signals(kv=0.95), pools(2), History())[0].reason is Reason.KV_PRESSURE
+    assert (
+        decode_decision(policy, 0, signals(waiting=3), pools(2), History())[0].reason is Reason.DECODE_QUEUE
+    )
+    assert decode_decision(policy, 0, signals(depth=4), pools(2), History())[0].reason is Reason.DECODE_QUEUE
     # Requests waiting in the scheduler's queue for a prefill worker are prefill's to fix, not decode's.
     waits = signals(prefill_queue=4, ttft_ms=900, queued=10 * CONFIG.queue_tokens_high)
-    decisions, _ = policy.decide(0, waits, pools(2), ())
+    decisions, _ = policy.decide(0, waits, pools(2), History())
     by_pool = {d.pool: d for d in decisions}
     assert by_pool["decode"].direction != "up" and by_pool["prefill"].reason is Reason.PREFILL_BACKLOG
     # Refusals alone (a tenant's quota refuses too) grow nothing, but no pool shrinks while they come.
     refusing = signals(itl_ms=5, kv=0.05, refused=0.5, workers=2)
-    assert decode_decision(policy, 0, refusing, pools(2), ())[0].reason is Reason.STEADY
+    assert decode_decision(policy, 0, refusing, pools(2), History())[0].reason is Reason.STEADY
 
 
 def test_a_ttft_breach_grows_prefill_only_with_a_prefill_backlog() -> None:
     policy = ReactivePolicy(CONFIG)
-    decisions, _ = policy.decide(0, signals(ttft_ms=900, queued=CONFIG.queue_tokens_high), pools(1), ())
+    decisions, _ = policy.decide(
+        0, signals(ttft_ms=900, queued=CONFIG.queue_tokens_high), pools(1), History()
+    )
     prefill = next(d for d in decisions if d.pool == "prefill")
     assert prefill.reason is Reason.TTFT_SLO and prefill.desired >= 2
-    decisions, _ = policy.decide(0, signals(ttft_ms=900, queued=0), pools(1), ())
+    decisions, _ = policy.decide(0, signals(ttft_ms=900, queued=0), pools(1), History())
     assert next(d for d in decisions if d.pool == "prefill").direction == "hold"
-    decisions, _ = policy.decide(0, signals(ttft_ms=900, prefill_queue=3), pools(1), ())
+    decisions, _ = policy.decide(0, signals(ttft_ms=900, prefill_queue=3), pools(1), History())
     assert next(d for d in decisions if d.pool == "prefill").reason is Reason.TTFT_SLO
 
 
 def test_no_scale_up_while_replicas_are_pending() -> None:
     policy = ReactivePolicy(CONFIG)
-    d, _ = decode_decision(policy, 0, signals(itl_ms=90), pools(2, pending=1), ())
+    d, _ = decode_decision(policy, 0, signals(itl_ms=90), pools(2, pending=1), History())
     assert d.reason is Reason.PENDING and d.desired == 2 and "ITL p95" in d.detail
 
 
 def test_missing_signals_change_nothing() -> None:
     policy = ReactivePolicy(CONFIG)
     for s in (None, replace(signals(itl_ms=90), sources_down=("http://gw/metrics",))):
-        d, _ = decode_decision(policy, 0, s, pools(3), ())
+        d, _ = decode_decision(policy, 0, s, pools(3), History())
         assert d.reason is Reason.NO_SIGNAL and d.desired == 3
 
 
@@ -133,16 +137,16 @@ def test_scale_down_checks_the_pool_with_one_replica_fewer() -> None:
     """The 2 ↔ 1 oscillation: at 2 replicas ITL p95 is 20 ms (under the 30 ms target), but the same load
     on 1 replica would be ~40 ms. A planner that checks only the present removes one and adds it back."""
     policy = ReactivePolicy(CONFIG)
-    d, _ = decode_decision(policy, 0, signals(itl_ms=20, workers=2), pools(2), ())
+    d, _ = decode_decision(policy, 0, signals(itl_ms=20, workers=2), pools(2), History())
     assert d.reason is Reason.STEADY and d.desired == 2 and "at 1: ITL p95 ~40.0 ms" in d.detail
-    d, _ = decode_decision(policy, 0, signals(itl_ms=8, kv=0.1, workers=2), pools(2), ())
+    d, _ = decode_decision(policy, 0, signals(itl_ms=8, kv=0.1, workers=2), pools(2), History())
     assert d.reason is Reason.UNDERUSED and d.desired == 1
-    d, _ = decode_decision(policy, 0, signals(itl_ms=8, kv=0.5, workers=2), pools(2), ())
+    d, _ = decode_decision(policy, 0, signals(itl_ms=8, kv=0.5, workers=2), pools(2), History())
     assert d.reason is Reason.STEADY, "KV usage 0.5 on two replicas is 1.0 on one"
 
 
 def test_scale_down_waits_for_the_down_window_and_goes_one_at_a_time() -> None:
-    policy, h = ReactivePolicy(CONFIG), ()
+    policy, h = ReactivePolicy(CONFIG), History()
     d, h = decode_decision(policy, 0, signals(itl_ms=40), pools(4), h)  # recently it needed more
     idle = signals(itl_ms=None, ttft_ms=None, running=0, arrivals=0.0)
     for t in (10, 30, 59):
@@ -178,7 +182,7 @@ def test_the_decision_stays_within_bounds_and_steps(
     policy = ReactivePolicy(CONFIG)
     s = signals(itl_ms=itl, ttft_ms=ttft, kv=kv, waiting=waiting, queued=queued, depth=depth)
     p = pools(decode, prefill, min(pending, decode))
-    decisions, _ = policy.decide(0, s, p, ())
+    decisions, _ = policy.decide(0, s, p, History())
     for d in decisions:
         low, high = policy.bounds(d.pool)
         assert low <= d.desired <= high
@@ -212,7 +216,7 @@ def test_more_decode_load_never_asks_for_fewer_replicas(
 def test_a_steady_load_never_oscillates(itl: float, kv: float, n: int) -> None:
     """The load per replica follows the replicas (the same total load spread over more or fewer), as
     the real signals would: the replica count may move one way to its level, never back."""
-    policy, h, current = ReactivePolicy(CONFIG), (), n
+    policy, h, current = ReactivePolicy(CONFIG), History(), n
     itl_total, kv_total = itl * n, kv * n  # ITL and KV usage per replica scale as 1 / replicas
     seen = [current]
     for t in range(0, 600, 5):
@@ -289,3 +293,19 @@ def test_without_a_scaler_it_only_advises() -> None:
     assert (
         loop.metrics.registry.get_sample_value("baton_autoscaler_desired_replicas", {"pool": "decode"}) == 4
     )
+
+
+def test_a_pool_is_not_shrunk_below_the_capacity_it_queued_at() -> None:
+    """Requests queued for decode when one replica held 5: the policy remembers it. With two replicas
+    and 8 streams nothing queues and latency is fine — but one replica would have to hold 8, past the 5
+    it queued at, so it stays at two (scaling down would only bring the queue back: N ↔ N − 1)."""
+    policy = ReactivePolicy(CONFIG)
+    saturated = signals(running=4, waiting=1, depth=3, workers=1)
+    d, h = decode_decision(policy, 0, saturated, pools(1), History())
+    assert d.reason is Reason.DECODE_QUEUE and h.saturated_at("decode") == 5
+    busy = signals(itl_ms=5, kv=0.05, running=8, workers=2)
+    d, h = decode_decision(policy, 100, busy, pools(2), h)
+    assert d.reason is Reason.STEADY and "8.0 requests each (it queued at 5.0)" in d.detail
+    light = signals(itl_ms=5, kv=0.05, running=2, workers=2)
+    d, h = decode_decision(policy, 200, light, pools(2), h)
+    assert d.reason is Reason.UNDERUSED and d.desired == 1
