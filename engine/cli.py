@@ -1,4 +1,4 @@
-"""`baton generate` (stream one completion to stdout) and `baton prepare-model`."""
+"""`baton generate` (stream one completion to stdout), `baton prepare-model` and `baton fetch-model`."""
 
 from __future__ import annotations
 
@@ -133,6 +133,47 @@ def run_evaluate(args: argparse.Namespace) -> int:
 def add_prepare_model_parser(sub: Any) -> None:
     p = sub.add_parser("prepare-model", help="dequantize the embedded default model into the cache")
     p.set_defaults(func=run_prepare_model)
+
+
+def add_fetch_model_parser(sub: Any) -> None:
+    """`baton fetch-model URI DEST`, what the chart's init container runs to fill the cache volume."""
+    p = sub.add_parser(
+        "fetch-model",
+        help="fetch a model into a directory (hf://org/repo[@revision], an http(s) .tar/.tar.gz/.zip "
+        "archive, or a local directory), atomically; prints the directory",
+        description="Fetches a model into DEST atomically (via DEST.partial-*); a second run with the same "
+        "URI does nothing. hf:// reads HF_ENDPOINT (default https://huggingface.co) and HF_TOKEN.",
+    )
+    p.add_argument(
+        "uri", help="hf://org/repo[@revision], https://…/model.tar.gz (.tar, .tgz, .zip), or a path"
+    )
+    p.add_argument("dest", help="the model directory to create, inside the volume (e.g. /models/NAME)")
+    p.add_argument(
+        "--force", action="store_true", help="replace what DEST holds (another model, or this one)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=60.0, help="seconds to wait for a server, per connect and per read"
+    )
+    p.add_argument(
+        "--retries", type=int, default=3, help="further tries of a broken transfer, resuming where it stopped"
+    )
+    p.set_defaults(func=run_fetch_model)
+
+
+def run_fetch_model(args: argparse.Namespace) -> int:
+    """Exit 0 with the model directory on stdout (fetched or already there); 1 with a one-line reason."""
+    from pathlib import Path
+
+    from engine.fetch import FetchError, config_from_env, fetch_model
+
+    try:
+        config = config_from_env(timeout_s=args.timeout_s, retries=args.retries)
+        fetch_model(args.uri, Path(args.dest), config, force=args.force)
+    except (FetchError, OSError) as e:  # OSError: local trouble (permissions, a full disk)
+        print(f"baton fetch-model: error: {e}", file=sys.stderr)
+        return 1
+    print(Path(args.dest).absolute())
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_cli.add_generate_parser(sub)
     engine_cli.add_prepare_model_parser(sub)
     engine_cli.add_evaluate_parser(sub)
+    engine_cli.add_fetch_model_parser(sub)
     from services import launcher
     from services.gateway import server as gateway
     from services.worker import config as worker_config
