@@ -16,7 +16,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks import disagg_bench, engine_bench, kv_bench, peer_bench, scheduler_bench, tenancy_bench
+from benchmarks import (
+    autoscale_bench,
+    disagg_bench,
+    engine_bench,
+    kv_bench,
+    peer_bench,
+    scheduler_bench,
+    tenancy_bench,
+)
 from benchmarks.report import DEFAULT_PATH, update_section
 
 # name → run(quick, command, threads, log) -> the section's Markdown
@@ -27,6 +35,7 @@ SECTIONS: dict[str, Callable[..., str]] = {
     "disaggregation": disagg_bench.run_section,
     "tenancy": tenancy_bench.run_section,
     "peers": peer_bench.run_section,
+    "autoscaling": autoscale_bench.run_section,
 }
 
 

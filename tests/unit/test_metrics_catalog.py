@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from autoscaler.controller import AutoscalerMetrics
 from rpc import metrics as rpc_metrics
 from scheduler import metrics as scheduler_metrics
 from services.gateway import metrics as service_metrics
@@ -83,10 +84,20 @@ def test_every_metric_defined_is_documented_with_its_type_and_labels_and_vice_ve
     scheduler = CollectorRegistry(auto_describe=False)
     scheduler.register(rpc_metrics.Forward(scheduler_metrics.REGISTRY))
     scheduler.register(state)
+    scaler = AutoscalerMetrics()
+    scaler_objects = [
+        scaler.desired,
+        scaler.current,
+        scaler.ready,
+        scaler.decisions,
+        scaler.scale_errors,
+        scaler.signal,
+    ]
     components = {
         "baton_gateway_": (defined(service_metrics.REGISTRY, module_metrics(service_metrics)), []),
         "baton_worker_": (defined(worker.registry, []), WORKER_IDENTITY),
         "baton_scheduler_": (defined(scheduler, module_metrics(scheduler_metrics)), []),
+        "baton_autoscaler_": (defined(scaler.registry, scaler_objects), []),
     }
     for prefix, (families, identity) in components.items():
         docs_here = {d.family: d for d in docs.values() if d.name.startswith(prefix)}
