@@ -370,3 +370,81 @@ def test_the_stand_in_selects_pods_as_the_api_server_does(
     with kubernetes.config.new_client_from_config(config_file=str(kubeconfig)) as api:
         pods = client.CoreV1Api(api).list_namespaced_pod(NS, label_selector=selector)
     assert [pod.metadata.name for pod in pods.items if pod.metadata] == names
+
+
+def test_baton_autoscale_scales_the_decode_deployment_from_the_clusters_metrics(
+    apiserver: FakeKubeApiServer, kubeconfig: Path, tmp_path: Path
+) -> None:
+    """The whole control loop as the chart runs it: `baton autoscale --scaler kubernetes` (a real
+    process) reads a gateway's and a scheduler's /metrics — here small HTTP servers whose pages are
+    rendered by the real metric objects, the gateway's inter-token gaps at 80 ms — and patches the
+    decode Deployment (1 → 3: 80 ms on one replica wants ~3 for a 30 ms target) on the stand-in API
+    server, exporting the decision. The prefill pool has no Deployment: an error it logs, not a crash."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from scheduler import metrics as scheduler_metrics
+    from services.gateway.metrics import ITL_BUCKETS
+    from services.supervisor import free_port
+
+    apiserver.add_pod(NS, "decode-0", LABELS, ready=True)
+    gateway = CollectorRegistry()
+    itl = Histogram(
+        "baton_gateway_itl_seconds", "", ["model", "version"], buckets=ITL_BUCKETS, registry=gateway
+    )
+    cluster = scheduler_metrics.ClusterStateCollector()
+    cluster.state.redis_up = True
+    cluster.state.workers[("m", "v", "decode", "serving")] = 1
+    cluster.state.pools["decode"] = scheduler_metrics.PoolLoad(running=16, kv_blocks=1000, kv_blocks_free=800)
+    scheduler = CollectorRegistry(auto_describe=False)
+    scheduler.register(cluster)
+
+    class Pages(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/gateway":
+                for _ in range(50):  # new gaps at every scrape: the window's p95 is 80 ms
+                    itl.labels("m", "v").observe(0.08)
+            body = generate_latest(gateway if self.path == "/gateway" else scheduler)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Quiet."""
+
+    pages = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=pages.serve_forever, daemon=True).start()
+    port = pages.server_address[1]
+    metrics_port = free_port()
+    log_path = tmp_path / "autoscale.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "-v", "autoscale", "--scaler", "kubernetes"]
+            + ["--kubeconfig", str(kubeconfig), "--namespace", NS, "--decode-deployment", DECODE]
+            + ["--gateway-metrics", f"http://127.0.0.1:{port}/gateway"]
+            + ["--scheduler-metrics", f"http://127.0.0.1:{port}/scheduler"]
+            + ["--interval-s", "0.5", "--window-s", "5", "--scale-up-window-s", "0", "--itl-slo-ms", "30"]
+            + ["--metrics-port", str(metrics_port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        eventually(lambda: apiserver.replicas(NS, DECODE) == 3, 30, "the decode Deployment scaled to 3")
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            exported = r.read().decode()
+        assert 'baton_autoscaler_desired_replicas{pool="decode"} 3.0' in exported
+        assert 'reason="itl_slo"' in exported
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(15)
+        pages.shutdown()
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "decode 1 -> 3 (itl_slo" in text and "cannot read the prefill pool" in text
+    assert {r.rbac() for r in apiserver.requests} <= {GET_SCALE, PATCH_SCALE, LIST_PODS, WATCH_PODS}
