@@ -105,13 +105,17 @@ class History:
     """What the policy remembers from one decision to the next (given and returned: it stays pure)."""
 
     recommendations: tuple[tuple[float, str, int], ...] = ()  # (time, pool, replicas), oldest first
-    # pool → the requests per replica it held when its requests last queued for it: its capacity as
-    # seen, which a scale-down must leave room for (a pool that queued at 5 per replica must not be
-    # shrunk to hold 8 on one).
-    saturation: tuple[tuple[str, float], ...] = ()
+    # (time, pool, requests per replica) whenever requests queued for the pool: what a replica held
+    # when it was full, which a scale-down must leave room for (a pool that queued at 5 per replica
+    # must not be shrunk to hold 8 on one). Heartbeats lag, so one reading may be low: the highest of
+    # the last SATURATION_MEMORY_S is the pool's capacity as seen.
+    saturation: tuple[tuple[float, str, float], ...] = ()
 
     def saturated_at(self, pool: str) -> float | None:
-        return dict(self.saturation).get(pool)
+        return max((v for _, p, v in self.saturation if p == pool), default=None)
+
+
+SATURATION_MEMORY_S = 1800.0  # how long a pool's capacity as seen is remembered (a config may change)
 
 
 class Policy(Protocol):
@@ -251,7 +255,7 @@ class ReactivePolicy:
         c = self.config
         horizon = now - max(c.scale_up_window_s, c.scale_down_window_s)
         kept = [h for h in history.recommendations if h[0] >= horizon]
-        saturation = dict(history.saturation)
+        saturation = [s for s in history.saturation if s[0] >= now - SATURATION_MEMORY_S]
         decisions = []
         for pool in POOLS:
             state = pools.get(pool)
@@ -261,8 +265,12 @@ class ReactivePolicy:
                 load = signals.pool(pool)
                 queued = signals.queue_for_decode if pool == "decode" else signals.queue_for_prefill
                 if (queued or load.waiting) and load.workers:
-                    saturation[pool] = (load.running + load.waiting) / load.workers
-            rec = self.recommend(pool, signals, state, saturation.get(pool))
+                    held = (load.running + load.waiting) / load.workers
+                    # An older, lower reading can never be the highest again: drop it (the list stays short).
+                    saturation = [s for s in saturation if s[1] != pool or s[2] > held]
+                    saturation.append((now, pool, held))
+            seen = max((v for _, p, v in saturation if p == pool), default=None)
+            rec = self.recommend(pool, signals, state, seen)
             kept.append((now, pool, rec.replicas))
             mine = [(t, r) for t, p, r in kept if p == pool]
             n, low, high = state.desired, *self.bounds(pool)
@@ -278,4 +286,4 @@ class ReactivePolicy:
                     desired = max(ceiling, n - c.max_step_down)
             desired = max(low, min(high, desired))
             decisions.append(Decision(pool, n, state.ready, desired, rec.replicas, rec.reason, rec.detail))
-        return decisions, History(tuple(kept), tuple(sorted(saturation.items())))
+        return decisions, History(tuple(kept), tuple(saturation))

@@ -300,9 +300,12 @@ def test_a_pool_is_not_shrunk_below_the_capacity_it_queued_at() -> None:
     and 8 streams nothing queues and latency is fine — but one replica would have to hold 8, past the 5
     it queued at, so it stays at two (scaling down would only bring the queue back: N ↔ N − 1)."""
     policy = ReactivePolicy(CONFIG)
+    lagging = signals(running=2, waiting=1, depth=3, workers=1)  # a heartbeat behind: reads low
+    d, h = decode_decision(policy, 0, lagging, pools(1), History())
+    assert d.reason is Reason.DECODE_QUEUE and h.saturated_at("decode") == 3
     saturated = signals(running=4, waiting=1, depth=3, workers=1)
-    d, h = decode_decision(policy, 0, saturated, pools(1), History())
-    assert d.reason is Reason.DECODE_QUEUE and h.saturated_at("decode") == 5
+    d, h = decode_decision(policy, 1, saturated, pools(1), h)
+    assert h.saturated_at("decode") == 5 and len(h.saturation) == 1  # the highest reading is kept
     busy = signals(itl_ms=5, kv=0.05, running=8, workers=2)
     d, h = decode_decision(policy, 100, busy, pools(2), h)
     assert d.reason is Reason.STEADY and "8.0 requests each (it queued at 5.0)" in d.detail
