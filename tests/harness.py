@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -73,6 +73,17 @@ PLACED = re.compile(r"request (\S+) placed: prefill=\S+ decode=(\S+) .* version=
 
 
 # --- waiting ---------------------------------------------------------------------------------------
+
+
+def offline_tokens(model: Path, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    """What the engine generates offline for each prompt (greedy, fp32, EOS ignored): the tokens a
+    served stream must equal, whatever moved it between workers."""
+    from core.sampling_params import SamplingParams
+    from engine import LLM
+
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=32 << 20, num_threads=1)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(list(prompts), params)]
 
 
 def eventually(check: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> float:

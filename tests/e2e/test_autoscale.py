@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import BatonUp, Scrape, eventually, start_baton_up
+from harness import BatonUp, Scrape, eventually, offline_tokens, start_baton_up
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -42,12 +42,7 @@ LOW, HIGH = 2, 8  # concurrent streams: one decode worker holds 5, two hold 10
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama: Path) -> list[list[int]]:
-    from core.sampling_params import SamplingParams
-    from engine import LLM
-
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=32 << 20, num_threads=1)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+    return offline_tokens(tiny_llama, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

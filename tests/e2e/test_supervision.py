@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BatonUp, Scrape, eventually, start_baton_up
+from harness import BatonUp, Scrape, eventually, offline_tokens, start_baton_up
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.supervisor import is_serving
@@ -33,12 +33,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama: Path) -> list[list[int]]:
-    from core.sampling_params import SamplingParams
-    from engine import LLM
-
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=32 << 20, num_threads=1)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+    return offline_tokens(tiny_llama, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

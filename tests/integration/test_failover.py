@@ -419,6 +419,58 @@ def test_prefills_of_a_killed_prefill_worker_run_on_the_other(
     )
 
 
+def test_a_draining_prefill_worker_hands_its_prefills_and_leases_back(
+    cluster: Cluster, offline: dict[str, Any]
+) -> None:
+    """SIGTERM (drain timeout 0) to a prefill worker with prefills queued: what it was computing ends
+    with WorkerDraining and is prefilled on the other prefill worker, the leases no decode worker had
+    pulled are given up (a pull that then fails gets a fresh prefill), it exits within its grace period
+    holding no block, and every request still equals offline."""
+    gw = cluster.start(
+        "prefill",
+        "prefill",
+        "decode",
+        flags=("--max-num-batched-tokens", "32", "--max-num-seqs", "8", "--drain-timeout-s", "0"),
+    )
+    *prefills, decode = cluster.workers
+    charged = ledgers(cluster.redis.url)["in_flight"]
+    retries_before = metric("baton_gateway_worker_retries_total", {"stage": "prefill"}) + metric(
+        "baton_gateway_kv_transfer_retries_total"
+    )
+    streams = Streams(gw)
+    rids = [f"q{i}" for i in range(NUM_STREAMS)]
+    for rid, prompt in zip(rids, offline["long_prompts"], strict=True):
+        streams.start(rid, prompt, greedy(PREFILL_TOKENS))
+    found: list[WorkerProcess] = []
+
+    def queued_on_one() -> bool:
+        found.extend(w for w in prefills if (i := w.info()).num_running + i.num_waiting >= 2)
+        return bool(found)
+
+    eventually(queued_on_one, 10, "no prefill worker ever had prefills queued", interval_s=0)
+    victim = found[0]
+    exited_s, drained = _terminate(victim, 0.0)
+
+    streams.finish()
+    assert streams.errors == {}
+    for i, rid in enumerate(rids):
+        assert (streams.ids[rid], streams.text[rid]) == offline["long"][i], rid
+    retried = (
+        metric("baton_gateway_worker_retries_total", {"stage": "prefill"})
+        + metric("baton_gateway_kv_transfer_retries_total")
+        - retries_before
+    )
+    assert retried >= 1 and re.search(r"[1-9]\d* requests handed back, \d+ leases given up, 0 of", drained), (
+        drained
+    )
+    for worker in (*(p for p in prefills if p is not victim), decode):
+        worker.wait_all_free()
+    settled(cluster.redis.url, charged)
+    print(
+        f"\nprefill worker drained: {drained}; exited {exited_s:.1f} s after SIGTERM; {retried:.0f} re-placed"
+    )
+
+
 # --- cancels go through the bus -------------------------------------------------------------------
 
 
