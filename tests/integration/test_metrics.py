@@ -37,7 +37,7 @@ LONG_PROMPT = (
     "jumps over the lazy dog near Paris, the capital of France, while Berlin is the capital of Germany."
 )
 SHORT_PROMPT = "def add(a, b):"
-PROCESSES = ("gateway", "scheduler", "prefill", "decode")  # each serves its own /metrics
+PROCESSES = ("gateway", "scheduler", "prefill", "decode", "autoscaler")  # each serves its own /metrics
 ADDED_TENANTS: set[str] = set()  # acme, once the first test added it (a test run alone finds none)
 
 
@@ -51,6 +51,8 @@ def up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
         "16MiB",
         "--kv-transport",
         "tcp",
+        # an autoscaler held at one replica per pool: it reads, decides and exports, and changes nothing
+        *("--autoscale", "--min-decode", "1", "--max-decode", "1", "--max-prefill", "1"),
         timeout_s=180,
         metrics_of=PROCESSES,
     )
@@ -196,7 +198,12 @@ def test_every_documented_metric_is_scraped_with_values_that_agree(up: BatonUp) 
     # Every documented metric is served by its process, with its documented type.
     for name, (family, kind) in documented().items():
         component = name.split("_")[1]
-        pages = {"gateway": [gateway], "scheduler": [scheduler], "worker": [prefill, decode]}[component]
+        pages = {
+            "gateway": [gateway],
+            "scheduler": [scheduler],
+            "worker": [prefill, decode],
+            "autoscaler": [Scrape(up.metrics["autoscaler"])],
+        }[component]
         for page in pages:
             assert family in page.families, f"{name} is documented but not served by the {component}"
             assert page.families[family].type == kind, f"{name}: served as {page.families[family].type}"
