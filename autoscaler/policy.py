@@ -110,12 +110,29 @@ class History:
     # must not be shrunk to hold 8 on one). Heartbeats lag, so one reading may be low: the highest of
     # the last SATURATION_MEMORY_S is the pool's capacity as seen.
     saturation: tuple[tuple[float, str, float], ...] = ()
+    # (time, requests per decode replica, ITL p95 s): what decode latency was at what batch, for the
+    # N − 1 projection (ITL grows with the batch, but far less than in proportion where a step is
+    # memory-bound: projecting in proportion keeps a pool large it could shrink).
+    itl_points: tuple[tuple[float, float, float], ...] = ()
 
     def saturated_at(self, pool: str) -> float | None:
         return max((v for _, p, v in self.saturation if p == pool), default=None)
 
+    def itl_at(self, batch: float) -> float | None:
+        """The decode ITL p95 at ``batch`` requests per replica, from a least-squares line through what
+        was seen (its slope at least 0); None with fewer than 3 points or batches less than 1 apart."""
+        points = [(b, v) for _, b, v in self.itl_points]
+        if len(points) < 3 or max(b for b, _ in points) - min(b for b, _ in points) < 1:
+            return None
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_v = sum(v for _, v in points) / len(points)
+        var = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = max(0.0, sum((b - mean_b) * (v - mean_v) for b, v in points) / var)
+        return mean_v + slope * (batch - mean_b)
+
 
 SATURATION_MEMORY_S = 1800.0  # how long a pool's capacity as seen is remembered (a config may change)
+MAX_ITL_POINTS = 120  # the ITL-vs-batch points the projection fits (the newest)
 
 
 class Policy(Protocol):
@@ -143,8 +160,10 @@ class ReactivePolicy:
     # --- what the signals ask for --------------------------------------------------------------
 
     def recommend(
-        self, pool: str, signals: Signals | None, state: PoolState, saturated_at: float | None = None
+        self, pool: str, signals: Signals | None, state: PoolState, memory: History | None = None
     ) -> Recommendation:
+        """What the signals ask of ``pool`` now; ``memory`` (the policy's history) informs the N − 1
+        projection: the capacity a replica showed, and decode latency against the batch."""
         low, high = self.bounds(pool)
         n = state.desired
         if n < low:
@@ -163,36 +182,38 @@ class ReactivePolicy:
             return up
         if state.pending:
             return Recommendation(n, Reason.PENDING, f"{state.pending} replicas not ready yet")
-        return self._down(pool, signals, n, low, saturated_at)
+        return self._down(pool, signals, n, low, memory or History())
 
     def _decode_up(self, s: Signals, n: int) -> Recommendation | None:
+        """The largest of what each breached target asks for (the binding one names the reason)."""
         c, d = self.config, s.decode
         slo_s = c.itl_slo_ms / 1e3
         need = max(1, n)
+        asks = []
         if s.itl_p95_s is not None and s.itl_p95_s > slo_s:
             want = math.ceil(need * s.itl_p95_s / slo_s)
             detail = f"ITL p95 {_ms(s.itl_p95_s)} > {c.itl_slo_ms:g} ms; {d.running} running on {d.workers} workers"
-            return Recommendation(max(want, n + 1), Reason.ITL_SLO, detail)
+            asks.append(Recommendation(max(want, n + 1), Reason.ITL_SLO, detail))
         if d.kv_blocks and d.kv_usage > c.kv_high:
             want = math.ceil(need * d.kv_usage / c.kv_high)
-            return Recommendation(
-                max(want, n + 1), Reason.KV_PRESSURE, f"KV usage {d.kv_usage:.2f} > {c.kv_high:g}"
-            )
+            detail = f"KV usage {d.kv_usage:.2f} > {c.kv_high:g}"
+            asks.append(Recommendation(max(want, n + 1), Reason.KV_PRESSURE, detail))
         if d.waiting or s.queue_for_decode:
             detail = (
                 f"{d.waiting} waiting on the decode workers, {s.queue_for_decode} in the scheduler's queue "
                 "for want of a decode worker with room"
             )
-            return Recommendation(n + 1, Reason.DECODE_QUEUE, detail)
-        return None
+            asks.append(Recommendation(n + 1, Reason.DECODE_QUEUE, detail))
+        return max(asks, key=lambda r: r.replicas, default=None)
 
     def _prefill_up(self, s: Signals, n: int) -> Recommendation | None:
         c, p = self.config, s.prefill
         per_replica = p.queued_tokens / max(1, n)
+        asks = []
         if per_replica > c.queue_tokens_high:
             want = math.ceil(p.queued_tokens / c.queue_tokens_high)
             detail = f"{p.queued_tokens} prompt tokens queued on {n} replicas (> {c.queue_tokens_high} each)"
-            return Recommendation(max(want, n + 1), Reason.PREFILL_BACKLOG, detail)
+            asks.append(Recommendation(max(want, n + 1), Reason.PREFILL_BACKLOG, detail))
         slo_s = c.ttft_slo_ms / 1e3
         backlogged = per_replica > c.queue_tokens_high / 4 or s.queue_for_prefill > 0
         if s.ttft_p95_s is not None and s.ttft_p95_s > slo_s and (backlogged or n == 0):
@@ -201,13 +222,15 @@ class ReactivePolicy:
                 f"TTFT p95 {_ms(s.ttft_p95_s)} > {c.ttft_slo_ms:g} ms with {p.queued_tokens} prompt tokens "
                 f"queued and {s.queue_for_prefill} requests waiting for a prefill worker"
             )
-            return Recommendation(max(want, n + 1), Reason.TTFT_SLO, detail)
-        return None
+            asks.append(Recommendation(max(want, n + 1), Reason.TTFT_SLO, detail))
+        return max(asks, key=lambda r: r.replicas, default=None)
 
-    def _down(self, pool: str, s: Signals, n: int, low: int, saturated_at: float | None) -> Recommendation:
+    def _down(self, pool: str, s: Signals, n: int, low: int, memory: History) -> Recommendation:
         """The load of n replicas on n − 1: a replica goes only if the targets still hold with headroom,
         and the requests each would hold stay under ``headroom`` of what a replica held when requests
-        last queued for the pool (``saturated_at``; unknown until they have)."""
+        last queued for the pool (unknown until they have). Decode ITL at N − 1 is read off the line
+        through the ITL-vs-batch points seen (never below today's), or, before there is one, assumed
+        to grow in proportion."""
         c = self.config
         if n <= low:
             return Recommendation(n, Reason.STEADY, f"at the minimum ({low})")
@@ -217,7 +240,10 @@ class ReactivePolicy:
         grow = n / (n - 1)
         if pool == "decode":
             d = s.decode
-            itl = None if s.itl_p95_s is None else s.itl_p95_s * grow
+            itl = None if s.itl_p95_s is None else s.itl_p95_s * grow  # in proportion: the safe guess
+            fitted = memory.itl_at(d.running / (n - 1))
+            if s.itl_p95_s is not None and fitted is not None:
+                itl = max(s.itl_p95_s, fitted)  # the line through what was seen, never below now
             kv = d.kv_usage * grow
             fits = (
                 (itl is None or itl <= c.headroom * c.itl_slo_ms / 1e3)
@@ -240,6 +266,7 @@ class ReactivePolicy:
             detail = f"at {n - 1}: TTFT p95 ~{_ms(ttft)} (target {c.ttft_slo_ms:g} ms), {per_replica:.0f} tokens queued each"
         load = s.pool(pool)
         held = (load.running + load.waiting) / (n - 1)
+        saturated_at = memory.saturated_at(pool)
         if saturated_at is not None:
             fits = fits and held <= c.headroom * saturated_at
             detail += f", {held:.1f} requests each (it queued at {saturated_at:.1f})"
@@ -256,6 +283,14 @@ class ReactivePolicy:
         horizon = now - max(c.scale_up_window_s, c.scale_down_window_s)
         kept = [h for h in history.recommendations if h[0] >= horizon]
         saturation = [s for s in history.saturation if s[0] >= now - SATURATION_MEMORY_S]
+        itl_points = [p for p in history.itl_points if p[0] >= now - SATURATION_MEMORY_S][-MAX_ITL_POINTS:]
+        if signals is not None and not signals.sources_down and signals.itl_p95_s is not None:
+            d = signals.decode
+            if d.workers and d.running:
+                itl_points = [
+                    *itl_points[1 - MAX_ITL_POINTS :],
+                    (now, d.running / d.workers, signals.itl_p95_s),
+                ]
         decisions = []
         for pool in POOLS:
             state = pools.get(pool)
@@ -269,8 +304,8 @@ class ReactivePolicy:
                     # An older, lower reading can never be the highest again: drop it (the list stays short).
                     saturation = [s for s in saturation if s[1] != pool or s[2] > held]
                     saturation.append((now, pool, held))
-            seen = max((v for _, p, v in saturation if p == pool), default=None)
-            rec = self.recommend(pool, signals, state, seen)
+            memory = History((), tuple(saturation), tuple(itl_points))
+            rec = self.recommend(pool, signals, state, memory)
             kept.append((now, pool, rec.replicas))
             mine = [(t, r) for t, p, r in kept if p == pool]
             n, low, high = state.desired, *self.bounds(pool)
@@ -286,4 +321,4 @@ class ReactivePolicy:
                     desired = max(ceiling, n - c.max_step_down)
             desired = max(low, min(high, desired))
             decisions.append(Decision(pool, n, state.ready, desired, rec.replicas, rec.reason, rec.detail))
-        return decisions, History(tuple(kept), tuple(saturation))
+        return decisions, History(tuple(kept), tuple(saturation), tuple(itl_points))

@@ -7,9 +7,11 @@ new worker serving; load down → worker drained and removed); and a plot of dec
 attainment over time.
 
 What two cores allow: every worker runs one torch thread and the cluster shares the machine's two
-cores, so a second decode worker adds *capacity* (decode slots, ``--max-num-seqs``) far more than speed.
-The high phase is sized to need that capacity: one decode worker holds 5 streams (4 running, 1 waiting),
-the high phase runs 8."""
+cores, so a second decode worker adds *capacity* far more than speed. Capacity here is KV memory, as on
+a GPU: each worker has a 16 MiB KV cache (about 45 blocks of the default model in bf16, five of these
+streams), and the high phase runs 8 streams. (A decode worker's ``--max-num-seqs`` does not cap the
+requests handed to it by a prefill worker — they join its batch at once — so slots cannot be the limit
+in a P/D cluster today: docs/AUTOSCALING.md.)"""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from benchmarks.serving_harness import RequestSpec, Trace, generate, percentile,
 PLOT_PATH = REPO_ROOT / "docs" / "img" / "autoscaling.png"
 TTFT_SLO_MS = 1000.0
 TPOT_SLO_MS = 100.0  # a request meets its SLO with TTFT and mean time per output token under these
-SLOTS = ("--max-num-seqs", "4", "--max-decode-queue", "1")
+CAPACITY = ("--kv-cache-memory", "16MiB")  # every worker's: a decode worker holds ~5 of these streams
 BUCKET_S = 5.0
 
 
@@ -163,7 +165,7 @@ def _start(config: Config, log_dir: Path, threads: int) -> tuple[object, str, st
     """`baton up` with the config's flags; returns (process, gRPC address, autoscaler /metrics URL or "")."""
     out = log_dir / "up.out"
     argv = [sys.executable, "-m", "services.cli", "up", "--grpc-port", "0", "--http-port", "0"]
-    argv += ["--threads", str(threads), "--log-dir", str(log_dir / "logs"), *SLOTS, *config.flags]
+    argv += ["--threads", str(threads), "--log-dir", str(log_dir / "logs"), *CAPACITY, *config.flags]
     proc = spawn(argv, None, out)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -244,7 +246,8 @@ def render(plan: Plan, runs: Sequence[Run], header: str, plot_file: str | None) 
         f"Load: {phases}; each stream a {plan.prompt_tokens}-token prompt and {plan.output_tokens} output tokens "
         f"(greedy, EOS ignored), sent back to back by its client over gRPC. A request meets the SLO with TTFT ≤ "
         f"{TTFT_SLO_MS:g} ms and time per output token ≤ {TPOT_SLO_MS:g} ms. Every cluster: `baton up` with the "
-        f"default model, one torch thread per worker, `{' '.join(SLOTS)}` (a decode worker holds 5 streams).",
+        f"default model, one torch thread per worker, `{' '.join(CAPACITY)}` (KV for about five of these "
+        "streams on a decode worker).",
         "",
         "| configuration | SLO met: low / high / low / all | TTFT p95 ms: low / high / low | ITL p95 ms: low / high / low "
         "| decode worker-s | streams | failed |",

@@ -4,8 +4,10 @@ autoscaler adds a decode worker (its reaction time measured) and the SLO recover
 the load drops and it drains and removes a decode worker — with every stream of every phase complete
 and token-exact (none failed, none duplicated).
 
-Why the breach is decode *capacity* (slots: ``--max-num-seqs 4``, one waiting request per decode
-worker, then the scheduler's queue) and not inter-token latency: on two CPU cores a second decode
+Why the breach is decode *capacity* — the scheduler places on a decode worker only while at most one
+request waits or pulls there (``--max-decode-queue 1``, with ``--max-num-seqs 4``), so with one decode
+worker 8 streams queue in the scheduler "for want of a decode worker with room" (the autoscaler's logged
+reason) and with two they do not — and not inter-token latency: on two CPU cores a second decode
 worker adds capacity but no compute — both workers share the same cores, and on the tiny model the
 gateway's Python, not the decode step, bounds ITL (measured: ITL p95 9.0 ms at 32 streams with one
 decode worker or two). Capacity is what a second worker adds here whatever else the machine runs, so
@@ -36,8 +38,8 @@ NUM_PROMPTS = 12
 PROMPTS = [f"Stream {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(NUM_PROMPTS)]
 MAX_TOKENS = 240  # a stream holds its decode slot for a while: a wait for one is a stream's lifetime
 TTFT_SLO_MS = 250.0  # the mission's
-SLOTS = 4  # --max-num-seqs: one decode worker runs 4 streams, holds 1 more (--max-decode-queue 1)
-LOW, HIGH = 2, 8  # concurrent streams: one decode worker holds 5, two hold 10
+SLOTS = 4  # --max-num-seqs
+LOW, HIGH = 2, 8  # concurrent streams: one decode worker leaves some queued, two do not
 
 
 @pytest.fixture(scope="module")

@@ -312,3 +312,22 @@ def test_a_pool_is_not_shrunk_below_the_capacity_it_queued_at() -> None:
     light = signals(itl_ms=5, kv=0.05, running=2, workers=2)
     d, h = decode_decision(policy, 200, light, pools(2), h)
     assert d.reason is Reason.UNDERUSED and d.desired == 1
+
+
+def test_the_n_minus_1_latency_is_read_off_what_was_seen_once_there_is_enough() -> None:
+    """ITL p95 20 ms on two replicas with 2 streams: in proportion one replica would be at 40 ms (over
+    0.7 × 30 ms), so with nothing seen yet the pool stays. Once decode latency was seen flat from 1 to 4
+    requests per replica (a memory-bound step), one replica is projected at ~20 ms, and it shrinks."""
+    policy = ReactivePolicy(CONFIG)
+    two = signals(itl_ms=20, kv=0.05, running=2, workers=2)
+    d, _ = decode_decision(policy, 0, two, pools(2), History())
+    assert d.reason is Reason.STEADY and "ITL p95 ~40.0 ms" in d.detail
+    seen = History(itl_points=((0, 1.0, 0.0195), (1, 2.0, 0.020), (2, 4.0, 0.0205)))
+    assert seen.itl_at(2.0) == pytest.approx(0.020, abs=2e-4)
+    d, h = decode_decision(policy, 3, two, pools(2), seen)
+    assert d.reason is Reason.UNDERUSED and "ITL p95 ~20.0 ms" in d.detail
+    assert h.itl_points[-1] == (3, 1.0, 0.020)  # what it saw now joins the points
+    # A steep line is read as steep: 10 ms more per request in the batch.
+    steep = History(itl_points=((0, 1.0, 0.010), (1, 2.0, 0.020), (2, 3.0, 0.030)))
+    d, _ = decode_decision(policy, 3, two, pools(2), steep)
+    assert d.reason is Reason.STEADY
