@@ -320,7 +320,7 @@ def plot(plan: Plan, runs: Sequence[Run], path: Path) -> None:
     for clients, seconds in plan.phases:
         for ax in (top, bottom):
             ax.axvline(t, color="grey", lw=0.5)
-        top.text(t + 1, 0.2, f"{clients} streams", fontsize=8)
+        top.text(t + 1, 0.03, f"{clients} streams", fontsize=8, transform=top.get_xaxis_transform())
         t += seconds
     top.legend(fontsize=8)
     fig.tight_layout()
