@@ -15,7 +15,9 @@ cancellation bus, and a gateway that places every request with the scheduler.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -312,13 +314,17 @@ def test_streams_of_a_killed_decode_worker_migrate(
     rids = [f"m{i}" for i in range(NUM_STREAMS)]
     # Half the streams on each decode worker, steered with the scheduler's drain flag (an operator's
     # tool): requests sent at once would all go to one worker, whose load the scheduler learns only
-    # from its next heartbeat.
+    # from its next heartbeat. The first wave's worker is then frozen (SIGSTOP) until it is killed: on a
+    # quiet machine the tiny model finishes a stream in about a second, sooner than the second wave is
+    # steered, and the kill must find its streams running.
     for n, (to, away) in enumerate([decoders, decoders[::-1]]):
         steer(cluster, to, away)
-        for i in range(n * NUM_STREAMS // 2, (n + 1) * NUM_STREAMS // 2):
-            streams.start(rids[i], _prompt(i), greedy(MIGRATE_TOKENS))
-        streams.read_until(lambda: all(len(streams.ids[r]) >= 1 for r in streams.ids))
-    streams.read_until(lambda: all(len(streams.ids[r]) >= 3 for r in rids))
+        wave = rids[n * NUM_STREAMS // 2 : (n + 1) * NUM_STREAMS // 2]
+        for rid in wave:
+            streams.start(rid, _prompt(rids.index(rid)), greedy(MIGRATE_TOKENS))
+        streams.read_until(lambda w=wave: all(len(streams.ids[r]) >= 3 for r in w))
+        if n == 0:
+            os.kill(to.proc.pid, signal.SIGSTOP)
     placed = routes(gw, rids)
     assert set(placed.values()) == {d.address for d in decoders}, (
         f"both decode workers must hold streams: {placed}"
@@ -461,9 +467,9 @@ def test_a_draining_prefill_worker_hands_its_prefills_and_leases_back(
         + metric("baton_gateway_kv_transfer_retries_total")
         - retries_before
     )
-    assert retried >= 1 and re.search(r"[1-9]\d* requests handed back, \d+ leases given up, 0 of", drained), (
-        drained
-    )
+    handed = re.search(r"(\d+) requests handed back, (\d+) leases given up, 0 of", drained)
+    assert handed is not None and int(handed[1]) + int(handed[2]) >= 1, drained  # it held something
+    assert retried >= 1
     for worker in (*(p for p in prefills if p is not victim), decode):
         worker.wait_all_free()
     settled(cluster.redis.url, before_ledgers)
