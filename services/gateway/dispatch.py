@@ -35,6 +35,7 @@ from core.errors import (
     WorkerLost,
 )
 from core.outputs import FinishReason
+from core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kv_transfer.handle import KVHandle
 from rpc.errors import as_serving_error
@@ -125,6 +126,16 @@ class Dispatcher:
         )
         log.info("request %s accepted (%s)", rid, request.api)
         return stream
+
+    async def prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
+        """Validates and tokenizes a request ahead of `submit` (a call of several choices checks every
+        prompt before any runs); a request that fails here is counted as one that ended so."""
+        try:
+            return await self.validator.prepare(request)
+        except ServingError as e:
+            metrics.ARRIVALS.labels(self.model.name, request.api).inc()
+            metrics.REQUESTS.labels(self.model.name, NONE, NONE, request.api, "error", e.grpc_code).inc()
+            raise
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Cancels a request in flight, wherever it runs; False if the id is unknown or already ended."""

@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -22,8 +21,10 @@ from aiohttp import web
 from core.errors import CapacityExceeded, InvalidRequest, ServingError
 from rpc.errors import as_serving_error
 from services.gateway import metrics
+from services.gateway.choices import Choice, Choices
 from services.gateway.dispatch import Dispatcher
 from services.gateway.openai_api import (
+    MAX_JSON_DEPTH,
     OpenAICall,
     chunk_json,
     error_json,
@@ -32,11 +33,12 @@ from services.gateway.openai_api import (
     response_json,
     usage_chunk_json,
 )
-from services.gateway.request_stream import Delta, Finished, RequestStream
+from services.gateway.request_stream import Delta, Finished, Usage
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADERS = ("X-Request-Id", "Idempotency-Key")
+IGNORED_FIELDS_HEADER = "X-Baton-Ignored-Fields"  # the body's fields this server does not know
 REQUEST_ID = web.RequestKey("request_id", str)  # set once the request is accepted, for error responses
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
@@ -118,7 +120,24 @@ class HttpApi:
                         "created": self.created,
                         "owned_by": "baton",
                         "root": model.version,
+                        "parent": None,
                         "max_model_len": model.max_model_len,
+                        "permission": [
+                            {
+                                "id": f"modelperm-{model.version[:24]}",
+                                "object": "model_permission",
+                                "created": self.created,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
                     }
                 ],
             }
@@ -148,67 +167,98 @@ class HttpApi:
         body = await _read_json(request)
         rid = next((request.headers[h] for h in REQUEST_ID_HEADERS if request.headers.get(h)), None)
         call = parse(body, rid)
-        stream = self.dispatcher.submit(replace(call.request, api_key=api_key(request.headers)))
-        request[REQUEST_ID] = stream.request_id
+        headers = {}
+        if call.ignored:
+            log.warning(
+                "%s: ignored the field(s) it does not know: %s", request.path, ", ".join(call.ignored)
+            )
+            headers[IGNORED_FIELDS_HEADER] = ", ".join(call.ignored)
+        choices = Choices(self.dispatcher, call, rid, api_key(request.headers))
         try:
+            await choices.start()
+            request[REQUEST_ID] = choices.id
+            headers["X-Request-Id"] = choices.id
             if call.stream:
-                return await self._stream(request, call, stream)
-            return await self._collect(call, stream)
+                return await self._stream(request, call, choices, headers)
+            return await self._collect(call, choices, headers)
         finally:
-            stream.cancel("disconnect")  # a no-op when it ended; the client went away otherwise
+            await choices.close("disconnect")  # a no-op for the choices that ended
 
-    async def _collect(self, call: OpenAICall, stream: RequestStream) -> web.Response:
-        output = Delta([], "")
-        async for event in stream:
-            if isinstance(event, Delta):
-                output.extend(event)
-            else:
-                body = response_json(
-                    call,
-                    stream.request_id,
-                    self.dispatcher.model.name,
-                    int(time.time()),
-                    output,
-                    event,
-                    self._token_text,
-                )
-                return web.json_response(body, headers={"X-Request-Id": stream.request_id})
-        raise ServingError(f"request {stream.request_id} ended without a final message")
+    async def _collect(self, call: OpenAICall, choices: Choices, headers: dict[str, str]) -> web.Response:
+        outputs = await choices.collect()
+        body = response_json(
+            call,
+            choices.id,
+            self.dispatcher.model.name,
+            int(time.time()),
+            outputs,
+            choices.usage(),
+            self._token_text,
+        )
+        return web.json_response(body, headers=headers)
 
     async def _stream(
-        self, request: web.Request, call: OpenAICall, stream: RequestStream
+        self, request: web.Request, call: OpenAICall, choices: Choices, headers: dict[str, str]
     ) -> web.StreamResponse:
         """Server-sent events. Errors before the first token are a plain error response; after it, an
         error event followed by [DONE]."""
-        events = aiter(stream)
+        events = aiter(choices.events())
         first = await anext(events)  # a ServingError here becomes an HTTP error status
         response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": stream.request_id,
-            }
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
         )
         await response.prepare(request)
-        rid, model, created = stream.request_id, self.dispatcher.model.name, int(time.time())
+        rid, model, created = choices.id, self.dispatcher.model.name, int(time.time())
 
         async def send(data: Any) -> None:
             await response.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
 
+        def usage() -> Usage | None:
+            return choices.usage() if call.continuous_usage else None
+
         try:
-            if call.chat:
-                await send(chunk_json(call, rid, model, created, None, None, self._token_text, role=True))
-            event: Delta | Finished | None = first
+            for c in choices.choices:  # the role opener (chat) or the echoed prompt, for every choice
+                if call.chat:
+                    await send(
+                        chunk_json(call, rid, model, created, c.index, None, None, self._token_text, True)
+                    )
+                elif call.echo:
+                    text = choices.echo(c)
+                    await send(
+                        chunk_json(
+                            call, rid, model, created, c.index, None, None, self._token_text, text=text
+                        )
+                    )
+            left = len(choices.choices)
+            event: tuple[Choice, Delta | Finished] | None = first
             while event is not None:
-                if isinstance(event, Delta):
-                    if event.text or event.logprobs:  # tokens whose text is held back add nothing yet
-                        await send(chunk_json(call, rid, model, created, event, None, self._token_text))
-                    event = await anext(events, None)
-                    continue
-                await send(chunk_json(call, rid, model, created, None, event, self._token_text))
-                if call.include_usage:
-                    await send(usage_chunk_json(call, rid, model, created, event.usage))
-                event = None
+                choice, out = event
+                if isinstance(out, Delta):
+                    if out.text or out.logprobs:  # tokens whose text is held back add nothing yet
+                        await send(
+                            chunk_json(
+                                call,
+                                rid,
+                                model,
+                                created,
+                                choice.index,
+                                out,
+                                None,
+                                self._token_text,
+                                usage=usage(),
+                            )
+                        )
+                else:
+                    left -= 1
+                    last = usage() or (None if left or call.include_usage else choices.usage())
+                    await send(
+                        chunk_json(
+                            call, rid, model, created, choice.index, None, out, self._token_text, usage=last
+                        )
+                    )
+                    if not left and call.include_usage:
+                        await send(usage_chunk_json(call, rid, model, created, choices.usage()))
+                event = await anext(events, None)
         except ServingError as e:
             await send(error_json(e))
         except ConnectionResetError:
@@ -231,6 +281,25 @@ async def _read_json(request: web.Request) -> Any:
             f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason})"
         ) from None
     try:
-        return json.loads(text)
+        body = json.loads(text)
     except ValueError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # nested past the parser's stack
+        raise InvalidRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_depth(body)
+    return body
+
+
+def _check_depth(body: Any) -> None:
+    """InvalidRequest for a body nested deeper than any request needs (walked without recursion)."""
+    level: list[Any] = [body]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        level = [
+            v
+            for item in level
+            if isinstance(item, (dict, list))
+            for v in (item.values() if isinstance(item, dict) else item)
+        ]
+        if not level:
+            return
+    raise InvalidRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")

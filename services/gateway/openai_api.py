@@ -1,10 +1,17 @@
 """The OpenAI wire format, without I/O: request bodies of /v1/completions and /v1/chat/completions
 parsed and validated into `GenerationRequest`s, and responses, stream chunks and errors shaped exactly
 like OpenAI's (plus vLLM's sampling extras: top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-stop_token_ids, skip_special_tokens)."""
+stop_token_ids, skip_special_tokens).
+
+One call may ask for several choices: ``n`` (and ``best_of``) choices per prompt, and on
+/v1/completions a list of prompts; `services.gateway.choices` runs them. A field this server does not
+know is ignored, as vLLM does, so that clients written for other servers keep working: the call names
+it (`OpenAICall.ignored`, logged and sent back in the ``X-Baton-Ignored-Fields`` header); a known field
+whose value cannot be honoured is a 400."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +22,8 @@ from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
 from services.gateway.admission import GenerationRequest
 from services.gateway.request_stream import Delta, Finished, TokenLogprob, Usage
+
+log = logging.getLogger(__name__)
 
 # Sampling fields passed to SamplingParams as they are (it checks their types and ranges).
 _SAMPLING_FIELDS = (
@@ -34,9 +43,6 @@ _SAMPLING_FIELDS = (
 )
 # Fields we accept only at their "off" value: anything else would silently change the meaning.
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "tools": (None, []),
@@ -44,46 +50,96 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "store": (None, False),
 }
-_IGNORED = ("user", "metadata", "parallel_tool_calls", "service_tier")
-_COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAMPLING_FIELDS, *_ONLY_DEFAULT, *_IGNORED}
-COMPLETION_FIELDS = frozenset({*_COMMON, "prompt", "logprobs"})
+# Known, and without effect on what is generated.
+_NO_EFFECT = ("user", "metadata", "parallel_tool_calls", "service_tier")
+_COMMON = {
+    "model",
+    "max_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    *_SAMPLING_FIELDS,
+    *_ONLY_DEFAULT,
+    *_NO_EFFECT,
+}
+COMPLETION_FIELDS = frozenset({*_COMMON, "prompt", "logprobs", "echo", "best_of"})
 CHAT_FIELDS = frozenset({*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 # The OpenAI API's spelling of a finish reason; a cancelled request is vLLM's "abort".
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+MAX_N = 64  # choices per prompt (n, best_of)
+MAX_PROMPTS = 64  # prompts in one /v1/completions call
+MAX_CHOICES = 128  # choices of one call in all: prompts × best_of
+MAX_JSON_DEPTH = 32  # nesting of a request body: far over any valid request's, far under a stack's
 
 
 @dataclass(frozen=True, slots=True)
 class OpenAICall:
-    """A parsed OpenAI request: what to generate and how to answer."""
+    """A parsed OpenAI request: what to generate — one `GenerationRequest` per prompt, each run as
+    ``best_of`` choices of which the ``n`` best are answered — and how to answer."""
 
     chat: bool
-    request: GenerationRequest
+    requests: tuple[GenerationRequest, ...]
+    n: int = 1
+    best_of: int = 1  # choices generated per prompt; the n with the highest log-probability are returned
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     logprobs: int | None = None  # top alternatives per token to return; None = no logprobs
+    echo: bool = False  # the prompt's text before each choice's (completions)
+    ignored: tuple[str, ...] = ()  # fields in the body this server does not know, ignored
+
+    @property
+    def request(self) -> GenerationRequest:
+        """The first prompt's request (the only one of a chat call)."""
+        return self.requests[0]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.requests) * self.n
 
 
 def parse_completion(body: Any, request_id: str | None = None) -> OpenAICall:
     """A /v1/completions body; InvalidRequest naming the field that is wrong."""
-    fields = _check_object(body, COMPLETION_FIELDS)
-    prompt, prompt_ids = _parse_prompt(fields.get("prompt"))
-    params = _sampling(fields, fields.get("max_tokens"), fields.get("logprobs"))
-    request = GenerationRequest(
-        params=params,
-        prompt=prompt,
-        prompt_token_ids=prompt_ids,
-        request_id=request_id,
-        model=_model(fields),
-        api="http",
+    fields, ignored = _check_object(body, COMPLETION_FIELDS)
+    prompts = _parse_prompts(fields.get("prompt"))
+    n, best_of = _choices(fields, len(prompts))
+    echo = fields.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidRequest(f"echo must be a boolean, got {echo!r}")
+    logprobs = fields.get("logprobs")
+    asked = logprobs
+    if best_of > n and logprobs is None:
+        logprobs = 0  # the choices are ranked by their tokens' log-probabilities
+    params = _sampling(fields, fields.get("max_tokens"), logprobs)
+    requests = tuple(
+        GenerationRequest(
+            params=params,
+            prompt=text,
+            prompt_token_ids=ids,
+            request_id=request_id,
+            model=_model(fields),
+            api="http",
+        )
+        for text, ids in prompts
     )
-    stream, include_usage = _stream_flags(fields)
-    return OpenAICall(False, request, stream, include_usage, params.logprobs)
+    stream, include_usage, continuous = _stream_flags(fields, ignored)
+    if stream and best_of > n:
+        raise InvalidRequest("best_of greater than n cannot be streamed: the best are known at the end")
+    if echo and asked is not None:
+        raise InvalidRequest(
+            "echo with logprobs needs the prompt's logprobs, which this server does not compute yet"
+        )
+    return OpenAICall(
+        False, requests, n, best_of, stream, include_usage, continuous, asked, bool(echo), tuple(ignored)
+    )
 
 
 def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
     """A /v1/chat/completions body; without a max_tokens the answer may fill the context."""
-    fields = _check_object(body, CHAT_FIELDS)
-    messages = _parse_messages(fields.get("messages"))
+    fields, ignored = _check_object(body, CHAT_FIELDS)
+    messages = _parse_messages(fields.get("messages"), ignored)
+    n, _ = _choices(fields, 1)
     max_tokens = fields.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = fields.get("max_tokens")
@@ -102,20 +158,43 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
         max_tokens_to_context=max_tokens is None,
         api="http",
     )
-    stream, include_usage = _stream_flags(fields)
-    return OpenAICall(True, request, stream, include_usage, params.logprobs)
+    stream, include_usage, continuous = _stream_flags(fields, ignored)
+    return OpenAICall(
+        True, (request,), n, n, stream, include_usage, continuous, params.logprobs, False, tuple(ignored)
+    )
 
 
-def _check_object(body: Any, known: frozenset[str]) -> dict[str, Any]:
+def _check_object(body: Any, known: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+    """The body's fields, and the names of those this server does not know (ignored)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
     for name, allowed in _ONLY_DEFAULT.items():
         if name in body and not any(body[name] == a and type(body[name]) is type(a) for a in allowed):
             raise InvalidRequest(f"{name} is not supported (only {allowed[-1]!r}), got {body[name]!r}")
-    return body
+    return body, sorted(set(body) - known)
+
+
+def _choices(fields: Mapping[str, Any], num_prompts: int) -> tuple[int, int]:
+    """(n, best_of) within the caps."""
+    n = _count(fields, "n", 1)
+    best_of = _count(fields, "best_of", n)
+    if best_of < n:
+        raise InvalidRequest(f"best_of must be >= n, got best_of={best_of} and n={n}")
+    if num_prompts * best_of > MAX_CHOICES:
+        raise InvalidRequest(
+            f"n: {num_prompts} prompt(s) × {best_of} choices is {num_prompts * best_of}, "
+            f"over the limit of {MAX_CHOICES} choices per request"
+        )
+    return n, best_of
+
+
+def _count(fields: Mapping[str, Any], name: str, default: int) -> int:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_N:
+        raise InvalidRequest(f"{name} must be an integer in [1, {MAX_N}], got {value!r}")
+    return value
 
 
 def _model(fields: Mapping[str, Any]) -> str:
@@ -127,20 +206,24 @@ def _model(fields: Mapping[str, Any]) -> str:
     return model
 
 
-def _stream_flags(fields: Mapping[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(fields: Mapping[str, Any], ignored: list[str]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
     stream, options = fields.get("stream"), fields.get("stream_options")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be a boolean, got {stream!r}")
-    include_usage = False
+    flags = {"include_usage": False, "continuous_usage_stats": False}
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise InvalidRequest("stream_options must be an object with only include_usage")
+        if not isinstance(options, dict):
+            raise InvalidRequest(f"stream_options must be an object, got {options!r}")
         if not stream:
             raise InvalidRequest("stream_options is only allowed with stream: true")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise InvalidRequest(f"stream_options.include_usage must be a boolean, got {include_usage!r}")
-    return bool(stream), include_usage
+        ignored.extend(f"stream_options.{k}" for k in sorted(set(options) - set(flags)))
+        for name in flags:
+            value = options.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequest(f"stream_options.{name} must be a boolean, got {value!r}")
+            flags[name] = bool(value)
+    return bool(stream), flags["include_usage"], flags["continuous_usage_stats"]
 
 
 def _sampling(fields: Mapping[str, Any], max_tokens: Any, logprobs: Any) -> SamplingParams:
@@ -154,42 +237,44 @@ def _sampling(fields: Mapping[str, Any], max_tokens: Any, logprobs: Any) -> Samp
     return SamplingParams(**values)
 
 
-def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("prompt must not be empty")
-        return prompt, None
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        return None, tuple(prompt)
+def _parse_prompts(prompt: Any) -> list[tuple[str | None, tuple[int, ...] | None]]:
+    """A prompt, or a batch of them: a string, token ids, or a list of either."""
     if prompt is None:
         raise InvalidRequest("prompt is required")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequest(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return [_parse_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_parse_prompt(prompt, "prompt")]
+
+
+def _parse_prompt(prompt: Any, name: str) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest(f"{name} must not be empty")
+        return prompt, None
     if isinstance(prompt, list) and not prompt:
-        raise InvalidRequest("prompt must not be empty")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest(f"prompt: one prompt per request is supported, got {len(prompt)}")
-    raise InvalidRequest("prompt must be a string or a list of token ids")
+        raise InvalidRequest(f"{name} must not be empty")
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, tuple(prompt)
+    raise InvalidRequest(f"{name} must be a string or a list of token ids")
 
 
-def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
+def _parse_messages(messages: Any, ignored: list[str]) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
     parsed = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidRequest(f"messages[{i}] must be an object with role and content")
-        unknown = sorted(set(m) - {"role", "content", "name"})
-        if unknown:
-            raise InvalidRequest(f"messages[{i}]: unknown field(s): {', '.join(unknown)}")
+        ignored.extend(f"messages[{i}].{k}" for k in sorted(set(m) - MESSAGE_FIELDS))
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
-        parsed.append({"role": role, "content": _text_content(i, content)})
+        message = {"role": role, "content": _text_content(i, content)}
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        parsed.append(message)
     return tuple(parsed)
 
 
@@ -263,30 +348,43 @@ def _chat_logprob(token_id: int, logprob: float, token_text: TokenText) -> dict[
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
+@dataclass(slots=True)
+class ChoiceOutput:
+    """One choice's whole output, for the non-streaming answer."""
+
+    index: int
+    delta: Delta
+    finished: Finished
+    echo: str = ""  # the prompt's text, before the output (echo)
+
+
 def response_json(
     call: OpenAICall,
     rid: str,
     model: str,
     created: int,
-    delta: Delta,
-    finished: Finished,
+    choices: Sequence[ChoiceOutput],
+    usage: Usage,
     token_text: TokenText,
 ) -> dict[str, Any]:
-    """The non-streaming response body for the whole output ``delta``."""
-    choice: dict[str, Any] = {"index": 0}
-    if call.chat:
-        choice["message"] = {"role": "assistant", "content": delta.text}
-    else:
-        choice["text"] = delta.text
-    choice["logprobs"] = logprobs_json(call, delta.logprobs, token_text)
-    choice["finish_reason"] = finish_reason(finished)
+    """The non-streaming response body: every choice in index order, the call's usage."""
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        choice: dict[str, Any] = {"index": c.index}
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": c.delta.text}
+        else:
+            choice["text"] = c.echo + c.delta.text
+        choice["logprobs"] = logprobs_json(call, c.delta.logprobs, token_text)
+        choice["finish_reason"] = finish_reason(c.finished)
+        out.append(choice)
     return {
         "id": rid,
         "object": "chat.completion" if call.chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage_json(finished.usage),
+        "choices": out,
+        "usage": usage_json(usage),
     }
 
 
@@ -295,14 +393,20 @@ def chunk_json(
     rid: str,
     model: str,
     created: int,
+    index: int,
     delta: Delta | None,
     finished: Finished | None,
     token_text: TokenText,
     role: bool = False,
+    usage: Usage | None = None,
+    text: str | None = None,
 ) -> dict[str, Any]:
-    """One stream chunk: a delta, the role opener (chat) or the finish chunk (empty delta)."""
-    choice: dict[str, Any] = {"index": 0}
-    text = delta.text if delta is not None else ""
+    """One stream chunk of choice ``index``: a delta, the role opener (chat) or the finish chunk (empty
+    delta). ``usage`` is sent when given (continuous usage, or the last finish chunk); ``text``
+    replaces the delta's text (an echoed prompt before it)."""
+    choice: dict[str, Any] = {"index": index}
+    if text is None:
+        text = delta.text if delta is not None else ""
     if call.chat:
         choice["delta"] = (
             {"role": "assistant", "content": ""} if role else ({"content": text} if delta else {})
@@ -318,10 +422,10 @@ def chunk_json(
         "model": model,
         "choices": [choice],
     }
-    if call.include_usage:
+    if usage is not None:
+        chunk["usage"] = usage_json(usage)
+    elif call.include_usage:
         chunk["usage"] = None
-    elif finished is not None:
-        chunk["usage"] = usage_json(finished.usage)  # usage in the last chunk even if not asked for
     return chunk
 
 

@@ -92,6 +92,9 @@ class RequestStream:
         self._end: Finished | ServingError | None = None
         self._end_delivered = False
         self._wake = asyncio.Event()
+        # Set at the second token — the prompt's KV is in place on the worker that decodes the request, and
+        # in its prefix cache — or at the end, whichever comes first.
+        self.decoding = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
 
     def attach(self, driver: asyncio.Task[None]) -> None:
@@ -120,6 +123,8 @@ class RequestStream:
         if delta.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.num_tokens += len(delta.token_ids)
+        if self.num_tokens >= 2:
+            self.decoding.set()
         if self._pending is None:
             self._pending = Delta(list(delta.token_ids), delta.text, list(delta.logprobs))
             self._ready_at = time.perf_counter()
@@ -148,6 +153,7 @@ class RequestStream:
     def _end_with(self, end: Finished | ServingError) -> None:
         if self._end is None:
             self._end = end
+            self.decoding.set()
             if self._pending is None:
                 self._ready_at = time.perf_counter()
             self._wake.set()

@@ -6,6 +6,7 @@ import pytest
 
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from services.gateway.openai_api import (
+    ChoiceOutput,
     chunk_json,
     error_json,
     parse_chat,
@@ -73,14 +74,26 @@ def test_completion_prompt_forms(prompt: object, text: str | None, ids: tuple[in
 @pytest.mark.parametrize(
     "body, needle",
     [
-        ({"prompt": "a", "n": 2}, "n is not supported"),
-        ({"prompt": "a", "best_of": 3}, "best_of"),
-        ({"prompt": "a", "echo": True}, "echo"),
-        ({"prompt": "a", "bogus": 1, "zzz": 2}, "unknown field(s): bogus, zzz"),
+        ({"prompt": "a", "n": 0}, "n must be an integer in [1, 64]"),
+        ({"prompt": "a", "n": 65}, "n must be an integer in [1, 64]"),
+        ({"prompt": "a", "n": True}, "n must be an integer"),
+        ({"prompt": "a", "n": 3, "best_of": 2}, "best_of must be >= n"),
+        ({"prompt": ["a"] * 3, "n": 50}, "over the limit of 128 choices"),
+        ({"prompt": ["a"] * 65}, "at most 64 prompts"),
+        ({"prompt": ["a", ""]}, "prompt[1] must not be empty"),
+        ({"prompt": ["a", [1, "b"]]}, "prompt[1] must be a string or a list of token ids"),
+        ({"prompt": "a", "best_of": 2, "stream": True}, "best_of greater than n cannot be streamed"),
+        ({"prompt": "a", "echo": 1}, "echo must be a boolean"),
+        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
+        ({"prompt": "a", "stream": True, "stream_options": []}, "stream_options must be an object"),
+        (
+            {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": "y"}},
+            "stream_options.continuous_usage_stats must be a boolean",
+        ),
+        ({"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias is not supported"),
         ({"prompt": ""}, "prompt must not be empty"),
         ({"prompt": []}, "prompt must not be empty"),
         ({}, "prompt is required"),
-        ({"prompt": ["a", "b"]}, "one prompt per request"),
         ({"prompt": 5}, "prompt must be a string or a list of token ids"),
         ({"prompt": "a", "max_tokens": -1}, "max_tokens must be >= 1"),
         ({"prompt": "a", "max_tokens": "9"}, "max_tokens must be an integer"),
@@ -132,10 +145,9 @@ def test_chat_messages_max_tokens_and_logprobs() -> None:
         ({"messages": [{"role": "user"}]}, "messages[0].content must be a string"),
         ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "unknown field(s): tool_calls"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 99}, "n must be an integer in [1, 64]"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "requires logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs must be a boolean"),
-        ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s): prompt"),
     ],
 )
 def test_chat_rejects(body: object, needle: str) -> None:
@@ -154,7 +166,7 @@ def _text(token_id: int) -> str:
 def test_response_shapes() -> None:
     chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1})
     delta = Delta([5, 6], "ab", [TokenLogprob(5, -0.5, {5: -0.5}), TokenLogprob(6, -1.0, {6: -1.0})])
-    body = response_json(chat, "r", "m", 1, delta, FINISHED, _text)
+    body = response_json(chat, "r", "m", 1, [ChoiceOutput(0, delta, FINISHED)], FINISHED.usage, _text)
     assert body["object"] == "chat.completion" and body["id"] == "r"
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "ab"} and choice["finish_reason"] == "length"
@@ -171,17 +183,33 @@ def test_response_shapes() -> None:
         "prompt_tokens_details": {"cached_tokens": 2},
     }
     completion = parse_completion({"prompt": "x", "logprobs": 1})
-    legacy = response_json(completion, "r", "m", 1, delta, FINISHED, _text)["choices"][0]
+    legacy = response_json(
+        completion, "r", "m", 1, [ChoiceOutput(0, delta, FINISHED)], FINISHED.usage, _text
+    )["choices"][0]
     assert legacy["text"] == "ab" and legacy["logprobs"]["tokens"] == ["<5>", "<6>"]
     assert legacy["logprobs"]["text_offset"] == [0, 3]
 
 
-def test_chunks_carry_usage_last() -> None:
+def test_response_lists_choices_in_index_order_with_echo() -> None:
+    call = parse_completion({"prompt": ["p0", "p1"], "n": 2, "echo": True})
+    outs = [ChoiceOutput(i, Delta([i], f"t{i}"), FINISHED, f"p{i // 2}") for i in (3, 0, 2, 1)]
+    body = response_json(call, "r", "m", 1, outs, Usage(8, 4), _text)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "p0t0"),
+        (1, "p0t1"),
+        (2, "p1t2"),
+        (3, "p1t3"),
+    ]
+    assert body["usage"]["total_tokens"] == 12
+
+
+def test_chunks_carry_usage_when_given() -> None:
     plain = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
-    opener = chunk_json(plain, "r", "m", 1, None, None, _text, role=True)
+    opener = chunk_json(plain, "r", "m", 1, 0, None, None, _text, role=True)
     assert opener["choices"][0]["delta"] == {"role": "assistant", "content": ""} and "usage" not in opener
-    last = chunk_json(plain, "r", "m", 1, None, FINISHED, _text)
+    last = chunk_json(plain, "r", "m", 1, 2, None, FINISHED, _text, usage=FINISHED.usage)
     assert last["choices"][0]["delta"] == {} and last["usage"]["total_tokens"] == 7
+    assert last["choices"][0]["index"] == 2
     asked = parse_chat(
         {
             "messages": [{"role": "user", "content": "x"}],
@@ -189,11 +217,46 @@ def test_chunks_carry_usage_last() -> None:
             "stream_options": {"include_usage": True},
         }
     )
-    assert chunk_json(asked, "r", "m", 1, Delta([1], "a"), None, _text)["usage"] is None
+    assert chunk_json(asked, "r", "m", 1, 0, Delta([1], "a"), None, _text)["usage"] is None
     tail = usage_chunk_json(asked, "r", "m", 1, FINISHED.usage)
     assert tail["choices"] == [] and tail["usage"]["completion_tokens"] == 3
     cancelled = Finished("cancelled", Usage(1, 1), Timings())
-    assert chunk_json(asked, "r", "m", 1, None, cancelled, _text)["choices"][0]["finish_reason"] == "abort"
+    assert chunk_json(asked, "r", "m", 1, 0, None, cancelled, _text)["choices"][0]["finish_reason"] == "abort"
+    echo = parse_completion({"prompt": "x", "echo": True, "stream": True})
+    assert chunk_json(echo, "r", "m", 1, 1, None, None, _text, text="x")["choices"][0]["text"] == "x"
+
+
+def test_choices_batches_and_stream_options() -> None:
+    call = parse_completion(
+        {"prompt": ["a", [1, 2]], "n": 2, "best_of": 3, "seed": 7, "stream_options": None}
+    )
+    assert [(r.prompt, r.prompt_token_ids) for r in call.requests] == [("a", None), (None, (1, 2))]
+    assert (call.n, call.best_of, call.num_choices) == (2, 3, 4)
+    assert call.requests[0].params.logprobs == 0 and call.logprobs is None  # ranked by logprobs, not shown
+    guidellm = parse_chat(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+    )
+    assert guidellm.include_usage and guidellm.continuous_usage and guidellm.ignored == ()
+
+
+def test_fields_this_server_does_not_know_are_ignored_and_named() -> None:
+    """vLLM's rule: a client written for another server keeps working; the call names what was ignored."""
+    call = parse_chat(
+        {
+            "messages": [{"role": "user", "content": "x", "weight": 2}],
+            "frobnicate": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "chunk_size": 4},
+            "stop": None,
+        }
+    )
+    assert call.ignored == ("frobnicate", "messages[0].weight", "stream_options.chunk_size")
+    assert call.request.messages == ({"role": "user", "content": "x"},)
+    assert parse_completion({"prompt": "a", "bogus": 1, "zzz": 2}).ignored == ("bogus", "zzz")
 
 
 def test_error_json() -> None:

@@ -1,0 +1,245 @@
+"""The OpenAI API as vLLM users call it, through the official `openai` client and raw HTTP, against a
+real gateway over real worker processes on the disaggregated path (prefill worker → KV handoff →
+decode worker, tiny model): several choices (``n``, ``best_of``), batched prompts, ``echo``,
+``stream_options`` with continuous usage, fields this server does not know. Bad values of these fields
+are in test_gateway.py's table of bad HTTP inputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from harness import GatewayThread, Scrape, WorkerProcess, free_port, http_json, running_workers, sse_events
+
+from services.gateway.server import GatewayConfig
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Parallel sampling shares one prompt between several choices"
+# Long enough for several full KV blocks, so that the prefix cache has something to share.
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
+
+
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def workers(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
+) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    log_dir = tmp_path_factory.mktemp("openai-workers")
+    with (
+        running_workers(tiny_llama, log_dir, "prefill", flags=("--metrics-port", str(metrics_port))) as (p,),
+        running_workers(tiny_llama, log_dir, "decode") as (d,),
+    ):
+        yield p, d
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_llama: Path, workers: tuple[WorkerProcess, WorkerProcess]) -> Iterator[GatewayThread]:
+    p, d = workers
+    config = GatewayConfig(
+        model=str(tiny_llama),
+        grpc_port=0,
+        http_port=0,
+        prefill_workers=(p.address,),
+        decode_workers=(d.address,),
+        local_prefill_threshold=0,  # every prompt is prefilled on the prefill worker and handed off
+        max_output_tokens=400,
+        startup_timeout=60,
+    )
+    with GatewayThread(config) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+
+
+def _settled(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
+    for w in workers:
+        w.wait_all_free()
+
+
+def test_n_seeded_choices_equal_separate_requests_with_their_seeds(
+    client: openai.OpenAI, gateway: GatewayThread, workers: tuple[WorkerProcess, WorkerProcess]
+) -> None:
+    """vLLM's rule: choice j of a call seeded s samples as a single request seeded s + j."""
+    kw: dict[str, Any] = dict(model=gateway.model, prompt=PROMPT, max_tokens=12, temperature=1.0)
+    call = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in call.choices] == [0, 1, 2]
+    singles = [client.completions.create(seed=11 + j, **kw) for j in range(3)]
+    assert [c.text for c in call.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in call.choices}) > 1  # sampled, not copies of one another
+    assert call.usage is not None
+    assert call.usage.prompt_tokens == singles[0].usage.prompt_tokens  # type: ignore[union-attr]
+    assert call.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)  # type: ignore[union-attr]
+
+    stream = client.completions.create(n=3, seed=11, stream=True, **kw)
+    texts = ["", "", ""]
+    finishes = [None, None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == [c.text for c in call.choices] and None not in finishes
+    _settled(workers)
+
+
+def test_n_choices_of_a_chat_stream_each_with_its_index(
+    client: openai.OpenAI, gateway: GatewayThread
+) -> None:
+    messages = [{"role": "user", "content": PROMPT}]
+    kw: dict[str, Any] = dict(model=gateway.model, messages=messages, max_tokens=10, temperature=1.0, seed=5)
+    whole = client.chat.completions.create(n=2, **kw)
+    stream = client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kw)
+    texts, roles, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] = c.delta.role or roles[c.index]
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in whole.choices] and roles == ["assistant", "assistant"]
+    assert usage is not None and whole.usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_prompt_is_computed_once_for_n_choices(
+    client: openai.OpenAI,
+    gateway: GatewayThread,
+    workers: tuple[WorkerProcess, WorkerProcess],
+    metrics_port: int,
+) -> None:
+    """Read from the prefill worker's prefix-cache counters: the other choices find every full block
+    of the prompt cached there, and compute only its last partial block."""
+    block_size = workers[0].info().block_size
+    page = f"http://127.0.0.1:{metrics_port}/metrics"
+    before = Scrape(page)
+    n = 4
+    call = client.completions.create(
+        model=gateway.model, prompt=LONG_PROMPT + " once", n=n, max_tokens=6, temperature=1.0, seed=3
+    )
+    assert call.usage is not None
+    num_prompt = call.usage.prompt_tokens
+    assert num_prompt > 3 * block_size
+    after = Scrape(page)
+    queried = after.value("baton_worker_prefix_cache_queries_total") - before.value(
+        "baton_worker_prefix_cache_queries_total"
+    )
+    hits = after.value("baton_worker_prefix_cache_hits_total") - before.value(
+        "baton_worker_prefix_cache_hits_total"
+    )
+    cacheable = (num_prompt - 1) // block_size * block_size  # the last token is always computed
+    assert queried == n * num_prompt
+    assert hits == (n - 1) * cacheable, (hits, num_prompt, block_size)
+    _settled(workers)
+
+
+def test_best_of_returns_the_most_likely_choices(client: openai.OpenAI, gateway: GatewayThread) -> None:
+    kw: dict[str, Any] = dict(model=gateway.model, prompt=PROMPT, max_tokens=8, temperature=1.0)
+    best = client.completions.create(n=1, best_of=3, seed=21, **kw)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None  # ranked by logprobs not asked for
+    answers = [client.completions.create(seed=21 + j, logprobs=0, **kw) for j in range(3)]
+    scores = [sum(a.choices[0].logprobs.token_logprobs) for a in answers]  # type: ignore[union-attr, arg-type]
+    assert best.choices[0].text == answers[scores.index(max(scores))].choices[0].text
+    assert best.usage is not None  # every candidate's tokens count, as OpenAI bills them
+    assert best.usage.completion_tokens == sum(a.usage.completion_tokens for a in answers)  # type: ignore[union-attr]
+
+
+def test_batched_prompts_are_answered_in_order(client: openai.OpenAI, gateway: GatewayThread) -> None:
+    kw: dict[str, Any] = dict(model=gateway.model, max_tokens=8, temperature=0)
+    singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]
+    batch = client.completions.create(prompt=PROMPTS, **kw)
+    assert [c.index for c in batch.choices] == [0, 1, 2] and [c.text for c in batch.choices] == singles
+    texts = ["", "", ""]
+    for chunk in client.completions.create(prompt=PROMPTS, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == singles
+    # token-id prompts, with n: index = prompt × n + choice
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    both = client.completions.create(prompt=ids, n=2, **kw)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.choices[0].text == both.choices[1].text  # greedy: the same for both choices
+    assert both.usage is not None and both.usage.prompt_tokens == 7
+
+
+def test_echo_puts_the_prompt_before_the_text(client: openai.OpenAI, gateway: GatewayThread) -> None:
+    kw: dict[str, Any] = dict(model=gateway.model, max_tokens=6, temperature=0)
+    plain = client.completions.create(prompt=PROMPTS[0], **kw).choices[0].text
+    echoed = client.completions.create(prompt=PROMPTS[0], echo=True, **kw).choices[0].text
+    assert echoed == PROMPTS[0] + plain
+    streamed = "".join(
+        c.text
+        for chunk in client.completions.create(prompt=PROMPTS[0], echo=True, stream=True, **kw)
+        for c in chunk.choices
+    )
+    assert streamed == echoed
+
+
+def test_unknown_fields_are_ignored_and_named(gateway: GatewayThread) -> None:
+    """A client written for another server keeps working; the header says what was ignored."""
+    body = {
+        "model": gateway.model,
+        "messages": [{"role": "user", "content": "hi", "weight": 1}],
+        "max_tokens": 3,
+        "frobnicate": {"deep": [1, 2]},
+        "stop": None,
+    }
+    status, headers, out = http_json(gateway, "/v1/chat/completions", body)
+    assert status == 200, out
+    assert headers["X-Baton-Ignored-Fields"] == "frobnicate, messages[0].weight"
+    assert out["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_continuous_usage_stats_in_every_chunk(gateway: GatewayThread) -> None:
+    """guidellm asks for these: the usage so far in every chunk, and the total at the end."""
+    body = {
+        "model": gateway.model,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    conn, events = sse_events(gateway, "/v1/completions", body)
+    chunks = [e for e in events if e != "[DONE]"]
+    conn.close()
+    with_choices = [c for c in chunks if c["choices"]]
+    assert all(c["usage"] is not None for c in with_choices)
+    used = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert used == sorted(used) and used[-1] == 8
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+
+
+def test_a_disconnect_cancels_every_choice(
+    gateway: GatewayThread, workers: tuple[WorkerProcess, WorkerProcess]
+) -> None:
+    body = {
+        "model": gateway.model,
+        "prompt": PROMPT,
+        "n": 3,
+        "max_tokens": 350,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn, events = sse_events(gateway, "/v1/completions", body)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 30
+    for e in events:
+        seen.update(c["index"] for c in e["choices"])
+        if seen == {0, 1, 2} or time.monotonic() > deadline:
+            break
+    assert seen == {0, 1, 2}  # every choice was running
+    conn.close()
+    _settled(workers)
