@@ -366,6 +366,50 @@ def test_streams_of_a_killed_decode_worker_migrate(
     )
 
 
+def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster) -> None:
+    """An OpenAI call with n=2 seeded choices, sampled at temperature 1, both decoding on a decode worker
+    that is killed mid-stream: each choice continues on the other decode worker and the client gets
+    exactly what an uninterrupted single request with that choice's seed (s + j) gives."""
+    gw = cluster.start("prefill", "decode", "decode")
+    _, first, second = cluster.workers
+    steer(cluster, first, second)
+    migrations = metric("baton_gateway_migrations_total")
+    body: dict[str, Any] = {
+        "prompt": _prompt(3),
+        "max_tokens": MIGRATE_TOKENS,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "seed": 77,
+    }
+    conn, events = harness.sse_events(gw, "/v1/completions", {**body, "n": 2, "stream": True})
+    texts, chunks = ["", ""], [0, 0]
+    for event in events:
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+            chunks[c["index"]] += 1
+        if min(chunks) >= 3:
+            break
+    os.kill(first.proc.pid, signal.SIGSTOP)  # frozen until killed: the tiny model is quick
+    _let_back_in(cluster)
+    first.kill()
+    usage = None
+    for event in events:
+        if event == "[DONE]":
+            break
+        assert "error" not in event, event
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+        usage = event.get("usage") or usage
+    conn.close()
+    assert usage is not None and usage["completion_tokens"] == 2 * MIGRATE_TOKENS
+    assert metric("baton_gateway_migrations_total") == migrations + 2  # both choices moved
+    for j in range(2):
+        status, _, single = http_json(gw, "/v1/completions", {**body, "seed": 77 + j})
+        assert status == 200, single
+        assert texts[j] == single["choices"][0]["text"], j
+    second.wait_all_free()
+
+
 # --- a prefill worker dies with prefills queued ----------------------------------------------------
 
 
