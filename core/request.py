@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType, Protocol
 
 from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
@@ -22,6 +22,17 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+class OutputConstraint(Protocol):
+    """A request's structured-output state (engine.structured.Constraint): which tokens may come next."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def fill(self, bitmask: Any, row: int) -> None: ...
+
+    def accept(self, token_id: int) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +59,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    constraint: OutputConstraint | None = None  # params.structured's matcher, over the output so far
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,32 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+MAX_STRUCTURED_SPEC_BYTES = 64 << 10  # a schema, regex, choice list or grammar, as UTF-8
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What the output must match: ``kind`` json (``spec`` a JSON schema, as JSON text), json_object (any
+    JSON object; no spec), regex, choice (``spec`` a JSON list of the allowed strings) or grammar (EBNF
+    with ``root ::=``, or Lark). Compiled and enforced by the engine (engine.structured)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str):
+            raise InvalidRequest("a structured output's spec must be a string")
+        if len(self.spec.encode("utf-8", "replace")) > MAX_STRUCTURED_SPEC_BYTES:
+            raise InvalidRequest(
+                f"the {self.kind} constraint is over the limit of {MAX_STRUCTURED_SPEC_BYTES} bytes"
+            )
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequest(f"the {self.kind} constraint must not be empty")
 
 
 def _is_int(value: object) -> bool:
@@ -48,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         # Accept a bare string or any iterable for the two list fields; store tuples (hashable, frozen).

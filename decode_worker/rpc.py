@@ -33,6 +33,7 @@ class DecodeRPC:
         shell, handoff = self.shell, self.handoff
         rid, ids, params = shell.parse(request.request_id, request.prompt_token_ids, request.sampling)
         t0 = time.monotonic()
+        await shell.compile_constraint(params)
         stream = shell.open_stream(rid)
         finished = ok = False
         error: Exception | None = None

@@ -29,6 +29,7 @@ from engine.loader import load_model, resolve_model_dir
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, kv_block_bytes
 from engine.output_processor import OutputProcessor
+from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class LLMEngine:
             sorted(set(self.tokenizer.stop_token_ids) | set(self.model_config.eos_token_ids))
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer.to_json(), self.model_config.vocab_size, self.eos_token_ids)
         self._aborted: list[RequestOutput] = []  # ended between steps: emitted with the next step
         self.step_hooks: list[StepHook] = []
         self._transfer_seconds: dict[RequestId, float] = {}  # landed pulls: start → landed
@@ -153,6 +155,7 @@ class LLMEngine:
         request = self._new_request(request_id, token_ids, params, cache_salt)
         request.kv_lease_id = kv_lease_id
         request.output_token_ids.extend(resumed)
+        self._constrain(request)
         self.outputs.track(request, continues_elsewhere)
         if resumed:
             self.outputs.replay(request, resumed)
@@ -180,6 +183,7 @@ class LLMEngine:
         request.output_token_ids.append(first_token)
         if request.num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt + max_tokens exceeds the context of {self.max_model_len} tokens")
+        self._constrain(request)
         self.outputs.track(request)
         self.outputs.replay(request, [first_token])
         return request
@@ -256,6 +260,13 @@ class LLMEngine:
             cache_salt=salt,
             max_model_len=self.max_model_len,
         )
+
+    def _constrain(self, request: Request) -> None:
+        """The request's structured-output matcher, over the output it already has (a handoff's first
+        token, a migration's resumed tokens). Compiled grammars are cached: a worker compiles off this
+        thread first (engine.structured)."""
+        if request.params.structured is not None:
+            request.constraint = self.grammars.constraint(request.params.structured, request.output_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request at this step boundary and frees its blocks; its final output (finish_reason

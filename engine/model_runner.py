@@ -18,6 +18,7 @@ from engine.attention import AttentionMetadata, PrefillSpan
 from engine.model import LlamaForCausalLM, layer_views
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SamplingRow
+from engine.structured import apply_masks
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -71,6 +72,11 @@ class ModelRunner:
         if not samplers:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        constrained = [
+            (i, s.request.constraint) for i, s in enumerate(samplers) if s.request.constraint is not None
+        ]
+        if constrained:  # structured outputs: what the grammar does not allow next is never sampled
+            apply_masks(logits, constrained, self.cfg.vocab_size)
         rows = [
             SamplingRow(
                 params=r.params,
@@ -85,6 +91,8 @@ class ModelRunner:
         for s, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             rid = s.request.request_id
             result.sampled[rid] = token
+            if s.request.constraint is not None:
+                s.request.constraint.accept(token)
             if lp is not None:
                 result.logprobs[rid] = lp
         if return_logits:

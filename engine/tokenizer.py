@@ -260,6 +260,10 @@ class Tokenizer:
         self._template = _compile_chat_template(config.chat_template) if config.chat_template else None
         self._bos_fix = self._bos_fix_needed()
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (its vocabulary, for a grammar engine)."""
+        return str(self._backend.to_str())
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load a Hugging Face model dir's tokenizer.json, tokenizer_config.json, generation_config.json."""

@@ -9,7 +9,7 @@ from typing import Any
 from baton.v1 import common_pb2 as pb
 from core.errors import InvalidRequest
 from core.outputs import FinishReason
-from core.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams, StructuredOutput
 from kv_transfer.handle import KVHandle, KVLayout
 
 _OPTIONAL_SCALARS = (
@@ -43,6 +43,8 @@ def sampling_from_pb(msg: pb.SamplingParams, **overrides: Any) -> SamplingParams
         fields["stop"] = tuple(msg.stop)
     if msg.stop_token_ids:
         fields["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.HasField("structured"):
+        fields["structured"] = StructuredOutput(msg.structured.kind, msg.structured.spec)
     fields.update(overrides)
     return SamplingParams(**fields)
 
@@ -67,6 +69,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured is not None:
+        msg.structured.CopyFrom(pb.StructuredOutput(kind=params.structured.kind, spec=params.structured.spec))
     return msg
 
 

@@ -24,7 +24,6 @@ from services.gateway import metrics
 from services.gateway.choices import Choice, Choices
 from services.gateway.dispatch import Dispatcher
 from services.gateway.openai_api import (
-    MAX_JSON_DEPTH,
     OpenAICall,
     chunk_json,
     error_json,
@@ -34,6 +33,7 @@ from services.gateway.openai_api import (
     usage_chunk_json,
 )
 from services.gateway.request_stream import Delta, Finished, Usage
+from services.gateway.structured import MAX_JSON_DEPTH, check_depth
 
 log = logging.getLogger(__name__)
 
@@ -286,20 +286,5 @@ async def _read_json(request: web.Request) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # nested past the parser's stack
         raise InvalidRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    _check_depth(body)
+    check_depth(body, "the request body")
     return body
-
-
-def _check_depth(body: Any) -> None:
-    """InvalidRequest for a body nested deeper than any request needs (walked without recursion)."""
-    level: list[Any] = [body]
-    for _ in range(MAX_JSON_DEPTH + 1):
-        level = [
-            v
-            for item in level
-            if isinstance(item, (dict, list))
-            for v in (item.values() if isinstance(item, dict) else item)
-        ]
-        if not level:
-            return
-    raise InvalidRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")

@@ -22,6 +22,7 @@ from core.outputs import FinishReason
 from core.sampling_params import SamplingParams
 from services.gateway.admission import GenerationRequest
 from services.gateway.request_stream import Delta, Finished, TokenLogprob, Usage
+from services.gateway.structured import parse_structured
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,33 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "store": (None, False),
 }
 # Known, and without effect on what is generated.
-_NO_EFFECT = ("user", "metadata", "parallel_tool_calls", "service_tier")
+_NO_EFFECT = (
+    "user",
+    "metadata",
+    "parallel_tool_calls",
+    "service_tier",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+# Structured outputs, as OpenAI and as vLLM (older and newer) spell them; at most one per request.
+_STRUCTURED = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 _COMMON = {
     "model",
     "max_tokens",
     "n",
     "stream",
     "stream_options",
+    *_STRUCTURED,
     *_SAMPLING_FIELDS,
     *_ONLY_DEFAULT,
     *_NO_EFFECT,
@@ -70,7 +87,6 @@ _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", Fin
 MAX_N = 64  # choices per prompt (n, best_of)
 MAX_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_CHOICES = 128  # choices of one call in all: prompts × best_of
-MAX_JSON_DEPTH = 32  # nesting of a request body: far over any valid request's, far under a stack's
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +243,10 @@ def _stream_flags(fields: Mapping[str, Any], ignored: list[str]) -> tuple[bool, 
 
 
 def _sampling(fields: Mapping[str, Any], max_tokens: Any, logprobs: Any) -> SamplingParams:
-    values = {name: fields[name] for name in _SAMPLING_FIELDS if fields.get(name) is not None}
+    values: dict[str, Any] = {name: fields[name] for name in _SAMPLING_FIELDS if fields.get(name) is not None}
+    structured = parse_structured(fields)
+    if structured is not None:
+        values["structured"] = structured
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     elif isinstance(values.get("min_tokens"), int):

@@ -5,6 +5,7 @@ handler makes. The role's own handlers (`prefill_worker.rpc`, `decode_worker.rpc
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
 from engine.async_engine import AsyncEngine, OutputStream
 from engine.llm_engine import LLMEngine
+from engine.structured import COMPILE_TIMEOUT_S
 from kv_transfer.transport import KVTransport
 from rpc.convert import sampling_from_pb
 from services.worker.config import WorkerConfig
@@ -40,6 +42,21 @@ class WorkerShell:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn`` on the engine thread (a ServingError it raises ends the RPC: rpc.servicer)."""
         return await self.aengine.call(fn)
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compiles a request's structured-output constraint in the thread pool, before the request
+        reaches the engine thread (which then finds it cached): a compile never stalls the batch. One
+        that takes over ``COMPILE_TIMEOUT_S`` is refused (the compile finishes in the background)."""
+        if params.structured is None:
+            return
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(None, self.aengine.engine.grammars.compile, params.structured)
+        try:
+            await asyncio.wait_for(compiling, COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the {params.structured.kind} constraint took over {COMPILE_TIMEOUT_S:.0f} s to compile"
+            ) from None
 
     def open_stream(self, rid: str) -> OutputStream:
         return self.aengine.open_stream(rid)  # an id in use here: InvalidRequest

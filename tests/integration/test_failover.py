@@ -14,6 +14,7 @@ cancellation bus, and a gateway that places every request with the scheduler.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Any
 
 import grpc
 import harness
+import jsonschema
 import pytest
 from harness import (
     SLACK_S,
@@ -366,10 +368,22 @@ def test_streams_of_a_killed_decode_worker_migrate(
     )
 
 
-def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster) -> None:
+# Long enough to be mid-way at the kill: 80 numbers under 1000.
+LONG_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 999},
+    "minItems": 80,
+    "maxItems": 80,
+}
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "json-schema"])
+def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster, constrained: bool) -> None:
     """An OpenAI call with n=2 seeded choices, sampled at temperature 1, both decoding on a decode worker
     that is killed mid-stream: each choice continues on the other decode worker and the client gets
-    exactly what an uninterrupted single request with that choice's seed (s + j) gives."""
+    exactly what an uninterrupted single request with that choice's seed (s + j) gives. With a JSON
+    schema, the grammar's state moves with each choice (the new worker replays the tokens sent): the
+    outputs still parse and validate."""
     gw = cluster.start("prefill", "decode", "decode")
     _, first, second = cluster.workers
     steer(cluster, first, second)
@@ -378,9 +392,11 @@ def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster) -
         "prompt": _prompt(3),
         "max_tokens": MIGRATE_TOKENS,
         "temperature": 1.0,
-        "ignore_eos": True,
+        "ignore_eos": not constrained,  # a constrained output ends when its grammar does
         "seed": 77,
     }
+    if constrained:
+        body["guided_json"] = LONG_SCHEMA
     conn, events = harness.sse_events(gw, "/v1/completions", {**body, "n": 2, "stream": True})
     texts, chunks = ["", ""], [0, 0]
     for event in events:
@@ -401,12 +417,15 @@ def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster) -
             texts[c["index"]] += c["text"]
         usage = event.get("usage") or usage
     conn.close()
-    assert usage is not None and usage["completion_tokens"] == 2 * MIGRATE_TOKENS
+    assert usage is not None
+    assert constrained or usage["completion_tokens"] == 2 * MIGRATE_TOKENS
     assert metric("baton_gateway_migrations_total") == migrations + 2  # both choices moved
     for j in range(2):
         status, _, single = http_json(gw, "/v1/completions", {**body, "seed": 77 + j})
         assert status == 200, single
         assert texts[j] == single["choices"][0]["text"], j
+        if constrained:
+            jsonschema.validate(json.loads(texts[j]), LONG_SCHEMA)
     second.wait_all_free()
 
 

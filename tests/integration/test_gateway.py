@@ -693,14 +693,14 @@ HTTP_BAD: list[tuple[str, str, Any, int, str]] = [
             '{"messages": [{"role": "user", "content": "x"}], "metadata": ' + "[" * 5000 + "]" * 5000 + "}"
         ).encode(),
         400,
-        "nested deeper than 32 levels",
+        "nested deeper than 64 levels",
     ),
     (
         "a body nested deeper than the limit, within the parser's stack",
         "/v1/completions",
-        ('{"prompt": "x", "metadata": ' + "[" * 40 + "]" * 40 + "}").encode(),
+        ('{"prompt": "x", "metadata": ' + "[" * 80 + "]" * 80 + "}").encode(),
         400,
-        "nested deeper than 32 levels",
+        "nested deeper than 64 levels",
     ),
     (
         "a batch with one prompt over the context",

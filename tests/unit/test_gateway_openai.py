@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
@@ -278,3 +281,67 @@ def test_error_json() -> None:
         and missing["param"] == "model"
     )
     assert error_json(InvalidRequest("unknown field(s): foo"))["error"]["param"] is None
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "fields, kind, spec",
+    [
+        ({"response_format": {"type": "text"}}, None, None),
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            "json",
+            SCHEMA,
+        ),
+        ({"guided_json": SCHEMA}, "json", SCHEMA),
+        ({"guided_json": json.dumps(SCHEMA)}, "json", SCHEMA),
+        ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+        ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+        ({"structured_outputs": {"json": SCHEMA}}, "json", SCHEMA),
+        ({"structured_outputs": {"choice": ["x"]}}, "choice", ["x"]),
+        ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+    ],
+)
+def test_structured_output_spellings(fields: dict[str, Any], kind: str | None, spec: Any) -> None:
+    """OpenAI's response_format and vLLM's guided_* and structured_outputs all become one constraint."""
+    call = parse_chat({"messages": [{"role": "user", "content": "x"}], **fields})
+    got = call.request.params.structured
+    if kind is None:
+        assert got is None
+        return
+    assert got is not None and got.kind == kind
+    assert (json.loads(got.spec) if kind in ("json", "choice") else got.spec) == spec
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format must be"),
+        ({"response_format": {"type": "json_schema", "json_schema": []}}, "json_schema must be an object"),
+        ({"guided_json": "{nope"}, "guided_json is not valid JSON"),
+        ({"guided_json": [1]}, "guided_json must be a JSON schema object"),
+        ({"guided_choice": []}, "guided_choice must be a non-empty list"),
+        ({"guided_choice": ["a", 3]}, "guided_choice must be a non-empty list"),
+        ({"guided_regex": ""}, "guided_regex must be a non-empty string"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "only one output constraint per request"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "only one output constraint"),
+        ({"structured_outputs": "json"}, "structured_outputs must be an object"),
+        ({"guided_regex": "a" * 70000}, "over the limit of 65536 bytes"),
+        ({"guided_json": json.dumps(_nested(40))}, "guided_json is nested deeper than 64 levels"),
+    ],
+)
+def test_bad_structured_outputs(fields: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_completion({"prompt": "x", **fields})
+    assert needle in info.value.message
