@@ -232,7 +232,8 @@ def _validate_messages(messages: Any) -> list[Mapping[str, Any]]:
             raise InvalidRequest(f"messages[{i}] must be an object with role and content")
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
-        if not isinstance(message.get("content"), str):
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
             raise InvalidRequest(f"messages[{i}].content must be a string")
     return list(messages)
 
@@ -317,29 +318,43 @@ class Tokenizer:
         """Text of `ids`; an incomplete UTF-8 sequence at either end decodes to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders tools itself (it reads a ``tools`` variable)."""
+        return bool(self._config.chat_template) and "tools" in (self._config.chat_template or "")
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` with the model's chat template; InvalidRequest for malformed messages."""
+        """Render `messages` (and ``tools``, for a template that knows them) with the model's chat
+        template; InvalidRequest for malformed messages."""
         checked = _validate_messages(messages)
         if self._template is None:
             raise ModelLoadError("the model has no chat template; use a completion request instead")
+        extra = {"tools": list(tools)} if tools else {}
         try:
             return self._template.render(
                 messages=checked,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._config.bos_token or "",
                 eos_token=self._config.eos_token or "",
+                **extra,
             )
         except jinja2.TemplateError as e:  # raise_exception() in the template or a sandbox violation
             raise InvalidRequest(f"the chat template rejected the messages: {e}") from e
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids of a chat; the template already spells out BOS and role markers."""
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+            self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
         )
 
     def id_to_token(self, token_id: int) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError, ModelNotFound
 from core.sampling_params import MAX_SEED, SamplingParams
 from engine.tokenizer import Tokenizer
+from services.gateway.tools import Tools, prompt_messages
 
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces: it travels in logs and headers
 
@@ -59,6 +60,7 @@ class GenerationRequest:
     timeout_s: float | None = None  # the client's deadline, from now
     api: str = "grpc"  # for metrics: grpc | http
     api_key: str = ""  # the client's API key ("" = the scheduler's default tenant)
+    tools: Tools | None = None  # chat: the tools to put in the prompt (services.gateway.tools)
 
 
 def request_id_problem(request_id: str) -> str | None:
@@ -102,8 +104,9 @@ class RequestValidator:
         """The prompt as token ids (a thread-pool thread: templates and long prompts take a while)."""
         if request.messages is not None:
             _check_messages(request.messages)
+            messages, tools = prompt_messages(request.messages, request.tools, self.tokenizer.knows_tools)
             try:
-                ids = self.tokenizer.encode_chat(list(request.messages))
+                ids = self.tokenizer.encode_chat(messages, tools=tools)
             except ModelLoadError as e:
                 raise InvalidRequest(e.message) from None
         elif request.prompt is not None:

@@ -30,7 +30,8 @@ from core.errors import ServingError
 from core.sampling_params import MAX_SEED
 from services.gateway.admission import GenerationRequest
 from services.gateway.dispatch import Dispatcher
-from services.gateway.openai_api import ChoiceOutput, OpenAICall
+from services.gateway.openai_api import OpenAICall
+from services.gateway.openai_responses import ChoiceOutput
 from services.gateway.request_stream import Delta, Finished, RequestStream, Usage
 
 Event = tuple["Choice", Delta | Finished]

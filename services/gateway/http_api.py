@@ -23,17 +23,17 @@ from rpc.errors import as_serving_error
 from services.gateway import metrics
 from services.gateway.choices import Choice, Choices
 from services.gateway.dispatch import Dispatcher
-from services.gateway.openai_api import (
-    OpenAICall,
+from services.gateway.openai_api import OpenAICall, parse_chat, parse_completion
+from services.gateway.openai_responses import (
     chunk_json,
     error_json,
-    parse_chat,
-    parse_completion,
     response_json,
+    tool_finish_reason,
     usage_chunk_json,
 )
 from services.gateway.request_stream import Delta, Finished, Usage
 from services.gateway.structured import MAX_JSON_DEPTH, check_depth
+from services.gateway.tools import ToolStream
 
 log = logging.getLogger(__name__)
 
@@ -216,46 +216,44 @@ class HttpApi:
         def usage() -> Usage | None:
             return choices.usage() if call.continuous_usage else None
 
+        def chunk(index: int, delta: Delta | None = None, end: Finished | None = None, **kw: Any) -> Any:
+            return chunk_json(call, rid, model, created, index, delta, end, self._token_text, **kw)
+
+        # Under tools, each chat choice's text goes through its ToolStream (services.gateway.tools).
+        tool_streams = {c.index: ToolStream(call.tools) for c in choices.choices} if call.tools else {}
         try:
             for c in choices.choices:  # the role opener (chat) or the echoed prompt, for every choice
                 if call.chat:
-                    await send(
-                        chunk_json(call, rid, model, created, c.index, None, None, self._token_text, True)
-                    )
+                    await send(chunk(c.index, role=True))
                 elif call.echo:
-                    text = choices.echo(c)
-                    await send(
-                        chunk_json(
-                            call, rid, model, created, c.index, None, None, self._token_text, text=text
-                        )
-                    )
+                    await send(chunk(c.index, text=choices.echo(c)))
             left = len(choices.choices)
             event: tuple[Choice, Delta | Finished] | None = first
             while event is not None:
                 choice, out = event
-                if isinstance(out, Delta):
-                    if out.text or out.logprobs:  # tokens whose text is held back add nothing yet
+                tools = tool_streams.get(choice.index)
+                if isinstance(out, Delta) and tools is not None:
+                    for i, message in enumerate(tools.feed(out.text)):  # logprobs go with the first
                         await send(
-                            chunk_json(
-                                call,
-                                rid,
-                                model,
-                                created,
-                                choice.index,
-                                out,
-                                None,
-                                self._token_text,
-                                usage=usage(),
-                            )
+                            chunk(choice.index, out if i == 0 else None, message=message, usage=usage())
                         )
+                elif isinstance(out, Delta):
+                    if out.text or out.logprobs:  # tokens whose text is held back add nothing yet
+                        await send(chunk(choice.index, out, usage=usage()))
                 else:
+                    reason = None
+                    if tools is not None:
+                        held, called = tools.finish()
+                        for message in held:
+                            await send(chunk(choice.index, message=message, usage=usage()))
+                        reason = (
+                            tool_finish_reason(call, "stop")
+                            if called and out.finish_reason == "stop"
+                            else None
+                        )
                     left -= 1
                     last = usage() or (None if left or call.include_usage else choices.usage())
-                    await send(
-                        chunk_json(
-                            call, rid, model, created, choice.index, None, out, self._token_text, usage=last
-                        )
-                    )
+                    await send(chunk(choice.index, None, out, usage=last, reason=reason))
                     if not left and call.include_usage:
                         await send(usage_chunk_json(call, rid, model, created, choices.usage()))
                 event = await anext(events, None)

@@ -12,17 +12,15 @@ whose value cannot be honoured is a 400."""
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServingError
-from core.outputs import FinishReason
+from core.errors import InvalidRequest
 from core.sampling_params import SamplingParams
 from services.gateway.admission import GenerationRequest
-from services.gateway.request_stream import Delta, Finished, TokenLogprob, Usage
 from services.gateway.structured import parse_structured
+from services.gateway.tools import Tools, parse_tool_message_fields, parse_tools
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +44,10 @@ _SAMPLING_FIELDS = (
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "store": (None, False),
 }
 # Known, and without effect on what is generated.
-_NO_EFFECT = (
-    "user",
-    "metadata",
-    "parallel_tool_calls",
-    "service_tier",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-)
+_NO_EFFECT = ("user", "metadata", "service_tier", "guided_decoding_backend", "guided_whitespace_pattern")
 # Structured outputs, as OpenAI and as vLLM (older and newer) spell them; at most one per request.
 _STRUCTURED = (
     "response_format",
@@ -80,10 +69,19 @@ _COMMON = {
     *_NO_EFFECT,
 }
 COMPLETION_FIELDS = frozenset({*_COMMON, "prompt", "logprobs", "echo", "best_of"})
-CHAT_FIELDS = frozenset({*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs"})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-# The OpenAI API's spelling of a finish reason; a cancelled request is vLLM's "abort".
-_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+CHAT_FIELDS = frozenset(
+    {
+        *_COMMON,
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 MAX_N = 64  # choices per prompt (n, best_of)
 MAX_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_CHOICES = 128  # choices of one call in all: prompts × best_of
@@ -104,6 +102,7 @@ class OpenAICall:
     logprobs: int | None = None  # top alternatives per token to return; None = no logprobs
     echo: bool = False  # the prompt's text before each choice's (completions)
     ignored: tuple[str, ...] = ()  # fields in the body this server does not know, ignored
+    tools: Tools | None = None  # chat: the tools the model may call, and how
 
     @property
     def request(self) -> GenerationRequest:
@@ -155,6 +154,7 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
     """A /v1/chat/completions body; without a max_tokens the answer may fill the context."""
     fields, ignored = _check_object(body, CHAT_FIELDS)
     messages = _parse_messages(fields.get("messages"), ignored)
+    tools = parse_tools(fields)
     n, _ = _choices(fields, 1)
     max_tokens = fields.get("max_completion_tokens")
     if max_tokens is None:
@@ -166,6 +166,13 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
         raise InvalidRequest("top_logprobs requires logprobs: true")
     num_logprobs = (0 if top is None else top) if logprobs else None
     params = _sampling(fields, max_tokens, num_logprobs)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if params.structured is not None:
+            raise InvalidRequest(
+                "tool_choice required or named cannot be combined with another output constraint"
+            )
+        params = replace(params, structured=forced)
     request = GenerationRequest(
         params=params,
         messages=messages,
@@ -173,10 +180,21 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
         model=_model(fields),
         max_tokens_to_context=max_tokens is None,
         api="http",
+        tools=tools,
     )
     stream, include_usage, continuous = _stream_flags(fields, ignored)
     return OpenAICall(
-        True, (request,), n, n, stream, include_usage, continuous, params.logprobs, False, tuple(ignored)
+        True,
+        (request,),
+        n,
+        n,
+        stream,
+        include_usage,
+        continuous,
+        params.logprobs,
+        False,
+        tuple(ignored),
+        tools,
     )
 
 
@@ -279,7 +297,7 @@ def _parse_prompt(prompt: Any, name: str) -> tuple[str | None, tuple[int, ...] |
     raise InvalidRequest(f"{name} must be a string or a list of token ids")
 
 
-def _parse_messages(messages: Any, ignored: list[str]) -> tuple[dict[str, str], ...]:
+def _parse_messages(messages: Any, ignored: list[str]) -> tuple[dict[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
     parsed = []
@@ -290,7 +308,12 @@ def _parse_messages(messages: Any, ignored: list[str]) -> tuple[dict[str, str], 
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
-        message = {"role": role, "content": _text_content(i, content)}
+        message: dict[str, Any] = {"role": role}
+        parse_tool_message_fields(i, m, message)
+        # An assistant turn that only called tools has no content.
+        message["content"] = (
+            None if content is None and "tool_calls" in message else _text_content(i, content)
+        )
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
         parsed.append(message)
@@ -312,167 +335,3 @@ def _text_content(i: int, content: Any) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
-
-
-# --- responses -----------------------------------------------------------------------------------
-
-TokenText = Callable[[int], str]
-
-
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def finish_reason(finished: Finished | None) -> str | None:
-    return None if finished is None else _FINISH_REASONS[finished.finish_reason]
-
-
-def logprobs_json(call: OpenAICall, logprobs: Sequence[TokenLogprob], token_text: TokenText) -> Any:
-    """OpenAI's logprobs object for these tokens: the chat shape or the legacy completions shape."""
-    if call.logprobs is None:
-        return None
-    if call.chat:
-        return {
-            "content": [
-                {
-                    **_chat_logprob(lp.token_id, lp.logprob, token_text),
-                    "top_logprobs": [
-                        _chat_logprob(t, v, token_text)
-                        for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])
-                    ],
-                }
-                for lp in logprobs
-            ]
-        }
-    texts = [token_text(lp.token_id) for lp in logprobs]
-    offsets, pos = [], 0
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{token_text(t): v for t, v in lp.top.items()} for lp in logprobs],
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprob(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
-    text = token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-
-@dataclass(slots=True)
-class ChoiceOutput:
-    """One choice's whole output, for the non-streaming answer."""
-
-    index: int
-    delta: Delta
-    finished: Finished
-    echo: str = ""  # the prompt's text, before the output (echo)
-
-
-def response_json(
-    call: OpenAICall,
-    rid: str,
-    model: str,
-    created: int,
-    choices: Sequence[ChoiceOutput],
-    usage: Usage,
-    token_text: TokenText,
-) -> dict[str, Any]:
-    """The non-streaming response body: every choice in index order, the call's usage."""
-    out = []
-    for c in sorted(choices, key=lambda c: c.index):
-        choice: dict[str, Any] = {"index": c.index}
-        if call.chat:
-            choice["message"] = {"role": "assistant", "content": c.delta.text}
-        else:
-            choice["text"] = c.echo + c.delta.text
-        choice["logprobs"] = logprobs_json(call, c.delta.logprobs, token_text)
-        choice["finish_reason"] = finish_reason(c.finished)
-        out.append(choice)
-    return {
-        "id": rid,
-        "object": "chat.completion" if call.chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": out,
-        "usage": usage_json(usage),
-    }
-
-
-def chunk_json(
-    call: OpenAICall,
-    rid: str,
-    model: str,
-    created: int,
-    index: int,
-    delta: Delta | None,
-    finished: Finished | None,
-    token_text: TokenText,
-    role: bool = False,
-    usage: Usage | None = None,
-    text: str | None = None,
-) -> dict[str, Any]:
-    """One stream chunk of choice ``index``: a delta, the role opener (chat) or the finish chunk (empty
-    delta). ``usage`` is sent when given (continuous usage, or the last finish chunk); ``text``
-    replaces the delta's text (an echoed prompt before it)."""
-    choice: dict[str, Any] = {"index": index}
-    if text is None:
-        text = delta.text if delta is not None else ""
-    if call.chat:
-        choice["delta"] = (
-            {"role": "assistant", "content": ""} if role else ({"content": text} if delta else {})
-        )
-    else:
-        choice["text"] = text
-    choice["logprobs"] = logprobs_json(call, delta.logprobs, token_text) if delta is not None else None
-    choice["finish_reason"] = finish_reason(finished)
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk" if call.chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        chunk["usage"] = usage_json(usage)
-    elif call.include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def usage_chunk_json(call: OpenAICall, rid: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    """The extra last chunk of stream_options.include_usage: no choices, the usage."""
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if call.chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_json(usage),
-    }
-
-
-# --- errors --------------------------------------------------------------------------------------
-
-_PARAM = re.compile(r"^(?:unknown field\(s\): )?([a-z_]+)")
-_KNOWN_PARAMS = COMPLETION_FIELDS | CHAT_FIELDS
-
-
-def error_json(error: ServingError) -> dict[str, Any]:
-    """OpenAI's error body: {"error": {message, type, param, code}}."""
-    m = _PARAM.match(error.message)
-    param = m.group(1) if m and m.group(1) in _KNOWN_PARAMS else None
-    code = None
-    if isinstance(error, ContextLengthExceeded):
-        code = "context_length_exceeded"
-    elif isinstance(error, ModelNotFound):
-        code = "model_not_found"
-    return {"error": {"message": error.message, "type": error.error_type, "param": param, "code": code}}

@@ -703,6 +703,38 @@ HTTP_BAD: list[tuple[str, str, Any, int, str]] = [
         "nested deeper than 64 levels",
     ),
     (
+        "an unknown tool in tool_choice",
+        "/v1/chat/completions",
+        {
+            **CHAT_OK,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice names 'g', which is not one of the tools",
+    ),
+    (
+        "a response_format of an unknown type",
+        "/v1/chat/completions",
+        {**CHAT_OK, "response_format": {"type": "xml"}},
+        400,
+        "response_format must be",
+    ),
+    (
+        "two output constraints",
+        "/v1/completions",
+        {"prompt": "a", "guided_regex": "a+", "guided_choice": ["b"]},
+        400,
+        "only one output constraint per request",
+    ),
+    (
+        "a schema nested too deeply",
+        "/v1/completions",
+        {"prompt": "a", "guided_json": '{"a": ' + "[" * 70 + "]" * 70 + "}"},
+        400,
+        "guided_json is nested deeper than 64 levels",
+    ),
+    (
         "a batch with one prompt over the context",
         "/v1/completions",
         {"prompt": ["a", [5] * 600], "max_tokens": 2},

@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from conftest import make_tiny_checkpoint
 from harness import GatewayThread, Scrape, WorkerProcess, free_port, http_json, running_workers, sse_events
 
 from services.gateway.server import GatewayConfig
@@ -29,27 +30,34 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
 
 
 @pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 2,048-token context: tools in a prompt take a few hundred of the tiny
+    tokenizer's tokens."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-long"), "llama", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
 def metrics_port() -> int:
     return free_port()
 
 
 @pytest.fixture(scope="module")
 def workers(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
+    tiny_long: Path, tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     log_dir = tmp_path_factory.mktemp("openai-workers")
     with (
-        running_workers(tiny_llama, log_dir, "prefill", flags=("--metrics-port", str(metrics_port))) as (p,),
-        running_workers(tiny_llama, log_dir, "decode") as (d,),
+        running_workers(tiny_long, log_dir, "prefill", flags=("--metrics-port", str(metrics_port))) as (p,),
+        running_workers(tiny_long, log_dir, "decode") as (d,),
     ):
         yield p, d
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_llama: Path, workers: tuple[WorkerProcess, WorkerProcess]) -> Iterator[GatewayThread]:
+def gateway(tiny_long: Path, workers: tuple[WorkerProcess, WorkerProcess]) -> Iterator[GatewayThread]:
     p, d = workers
     config = GatewayConfig(
-        model=str(tiny_llama),
+        model=str(tiny_long),
         grpc_port=0,
         http_port=0,
         prefill_workers=(p.address,),
@@ -315,3 +323,114 @@ def test_a_schema_the_engine_cannot_compile_is_a_400(client: openai.OpenAI, gate
                 list(out)  # type: ignore[arg-type]
         assert "JSON schema cannot be compiled" in str(info.value)
     assert client.completions.create(model=gateway.model, prompt="x", max_tokens=2).choices  # still serving
+
+
+WEATHER_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 15},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER_PARAMS},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def test_tool_choice_required_returns_parseable_calls(
+    client: openai.OpenAI, gateway: GatewayThread, workers: tuple[WorkerProcess, WorkerProcess]
+) -> None:
+    """Enforced through the grammar: every choice calls tools, with arguments that follow their schema."""
+    messages: Any = [{"role": "user", "content": "What is the weather in Oslo this week?"}]
+    kw: dict[str, Any] = dict(
+        model=gateway.model, messages=messages, tools=TOOLS, max_tokens=150, temperature=1.0
+    )
+    call = client.chat.completions.create(tool_choice="required", n=8, seed=2, **kw)
+    names = set()
+    for choice in call.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for tool_call in choice.message.tool_calls:
+            arguments = json.loads(tool_call.function.arguments)  # type: ignore[union-attr]
+            names.add(tool_call.function.name)  # type: ignore[union-attr]
+            if tool_call.function.name == "get_weather":  # type: ignore[union-attr]
+                jsonschema.validate(arguments, WEATHER_PARAMS)
+            assert tool_call.id.startswith("call_") and tool_call.type == "function"
+    assert names <= {"get_weather", "get_time"}
+
+    # The same, streamed: the calls arrive whole at the end, with the same arguments.
+    stream = client.chat.completions.create(tool_choice="required", seed=2, stream=True, **kw)
+    streamed: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                entry = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""  # type: ignore[union-attr]
+                entry["arguments"] += d.function.arguments or ""  # type: ignore[union-attr]
+            finish = c.finish_reason or finish
+    first = call.choices[0].message.tool_calls or []
+    assert finish == "tool_calls"
+    assert [(e["name"], json.loads(e["arguments"])) for e in streamed.values()] == [
+        (t.function.name, json.loads(t.function.arguments))
+        for t in first  # type: ignore[union-attr]
+    ]
+    _settled(workers)
+
+
+def test_a_named_tool_streams_its_arguments(client: openai.OpenAI, gateway: GatewayThread) -> None:
+    messages: Any = [{"role": "user", "content": "Weather in Rome for 3 days"}]
+    stream = client.chat.completions.create(
+        model=gateway.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=1.0,
+        seed=9,
+        stream=True,
+    )
+    pieces: list[str] = []
+    names, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                names += [d.function.name] if d.function and d.function.name else []
+                pieces += [d.function.arguments] if d.function and d.function.arguments else []
+            finish = c.finish_reason or finish
+    assert names == ["get_weather"] and len(pieces) > 1  # the arguments came in pieces, as generated
+    jsonschema.validate(json.loads("".join(pieces)), WEATHER_PARAMS)
+    assert finish == "stop"  # OpenAI's finish reason for a named tool
+
+
+def test_a_conversation_with_earlier_calls_and_results(client: openai.OpenAI, gateway: GatewayThread) -> None:
+    """An assistant turn with only tool_calls (no content) and the tool's result are accepted and
+    rendered; tool_choice auto leaves the model free (the tiny model answers in text)."""
+    messages: Any = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C and rain"},
+    ]
+    out = client.chat.completions.create(
+        model=gateway.model, messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert out.usage is not None and out.usage.prompt_tokens > 50  # the tools are in the prompt

@@ -8,12 +8,11 @@ from typing import Any
 import pytest
 
 from core.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from services.gateway.openai_api import (
+from services.gateway.openai_api import parse_chat, parse_completion
+from services.gateway.openai_responses import (
     ChoiceOutput,
     chunk_json,
     error_json,
-    parse_chat,
-    parse_completion,
     response_json,
     usage_chunk_json,
 )
