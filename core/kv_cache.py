@@ -134,7 +134,11 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens can hit: the last token must be computed to get its logits,
         and the block that holds it must be private because the step writes into it.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+        if (
+            not self.enable_prefix_caching
+            or request.num_computed_tokens > 0
+            or request.params.prompt_logprobs is not None  # every prompt token's logits are needed
+        ):
             return PrefixHit([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[BlockId] = []

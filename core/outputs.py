@@ -51,6 +51,8 @@ class RequestOutput:
     new_token_ids: list[int]
     num_output_tokens: int = 0  # output tokens so far (resumed ones included)
     new_logprobs: list[TokenLogprobs] | None = None  # of new_token_ids, when asked for
+    # On the output with the first sampled token, when asked for: one per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

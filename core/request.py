@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, NewType, Protocol
 
-from core.outputs import FinishReason
+from core.outputs import FinishReason, TokenLogprobs
 from core.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -60,6 +60,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     constraint: OutputConstraint | None = None  # params.structured's matcher, over the output so far
+    # params.prompt_logprobs: one entry per prompt token computed so far (None for the first token)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

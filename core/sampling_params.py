@@ -72,6 +72,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token (vLLM); None = not computed
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
@@ -113,6 +114,8 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -70,7 +70,7 @@ class DecodeRPC:
                 queue_s = queue_s or out.queue_s
                 n_new = len(out.new_token_ids)
                 msg = worker_pb2.DecodeResponse(
-                    delta=delta_to_pb(out.new_token_ids, out.new_text, out.new_logprobs)
+                    delta=delta_to_pb(out.new_token_ids, out.new_text, out.new_logprobs, out.prompt_logprobs)
                 )
                 now = time.monotonic()
                 if t_first is None and n_new:

@@ -17,7 +17,7 @@ from core.step_scheduler import ScheduledRequest, SchedulerOutput
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.model import LlamaForCausalLM, layer_views
 from engine.model_config import ModelConfig
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, token_logprobs
 from engine.structured import apply_masks
 
 
@@ -66,9 +66,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> RunnerOutput:
-        input_ids, meta, sample_rows, samplers = self._prepare(out)
+        input_ids, meta, sample_rows, samplers, prompt_spans = self._prepare(out)
         hidden = self.model(input_ids, meta, self.kv_layers)
         result = RunnerOutput()
+        for s, row0 in prompt_spans:
+            self._prompt_logprobs(s, row0, hidden)
         if not samplers:
             return result
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -99,9 +101,28 @@ class ModelRunner:
             result.logits = logits
         return result
 
+    def _prompt_logprobs(self, s: ScheduledRequest, row0: int, hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens this chunk predicts (vLLM's ``prompt_logprobs``): the row of
+        position p scores prompt token p + 1. Positions already scored (a preempted request computed
+        again) are skipped; at most ``PROMPT_LOGPROBS_ROWS`` rows' logits at a time."""
+        request = s.request
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        scored = request.prompt_logprobs
+        last = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)  # positions [.., last)
+        for p0 in range(max(s.start, len(scored) - 1), last, PROMPT_LOGPROBS_ROWS):
+            p1 = min(last, p0 + PROMPT_LOGPROBS_ROWS)
+            rows = hidden[row0 + p0 - s.start : row0 + p1 - s.start]
+            targets = request.prompt_token_ids[p0 + 1 : p1 + 1]
+            scored.extend(
+                token_logprobs(self.model.compute_logits(rows), targets, request.params.prompt_logprobs or 0)
+            )
+
     def _prepare(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[ScheduledRequest]]:
+    ) -> tuple[
+        torch.Tensor, AttentionMetadata, list[int], list[ScheduledRequest], list[tuple[ScheduledRequest, int]]
+    ]:
         bs = self.block_size
         window = self.cfg.sliding_window
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
@@ -122,10 +143,13 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 samplers.append(s)
         spans: list[PrefillSpan] = []
+        prompt_spans: list[tuple[ScheduledRequest, int]] = []  # chunks whose prompt logprobs are asked for
         row_tables, row_lens = list(tables), list(ctx_lens)  # every row's, if every chunk attends by rows
         for s in chunks:
             start, n = s.start, s.num_new_tokens
             row0 = len(ids)
+            if s.request.params.prompt_logprobs is not None and start < s.request.num_prompt_tokens - 1:
+                prompt_spans.append((s, row0))
             ids.extend(s.request.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             ctx = start + n
@@ -169,7 +193,7 @@ class ModelRunner:
             meta.row_block_tables = _pad_tables(row_tables)
             meta.row_ctx_lens = torch.tensor(row_lens, dtype=torch.long)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return input_ids, meta, sample_rows, samplers
+        return input_ids, meta, sample_rows, samplers, prompt_spans
 
 
 def _seq_positions(decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]) -> list[tuple[int, int]]:
@@ -188,6 +212,7 @@ def _seq_positions(decodes: list[ScheduledRequest], chunks: list[ScheduledReques
 # products do; the bounds keep the per-row kernel on the short contexts it was measured on. Measured
 # on the default model (2 threads; 4 decodes and a 64-token prompt in 16-token chunks): 30 ms per mixed
 # step on the per-layer path, 23 ms this way.
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are computed at once (each V floats)
 ROW_ATTENTION_MAX_TOKENS = 64  # tokens of the chunk
 ROW_ATTENTION_MAX_CONTEXT = 4096  # the sum of its tokens' context lengths
 

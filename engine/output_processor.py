@@ -21,6 +21,7 @@ class _OutputState:
     pieces: list[str] = field(default_factory=list)  # the text emitted so far (joined once, at the end)
     logprobs: list[TokenLogprobs] | None = None
     continues_elsewhere: bool = False  # a handoff prefill: reaching max_tokens is not the end of the text
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -103,6 +104,8 @@ class OutputProcessor:
             elif final and not hit:
                 delta += state.matcher.flush()
         out = self._output(request, state, delta, [token], new_logprobs)
+        if request.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            out.prompt_logprobs, state.prompt_logprobs_sent = request.prompt_logprobs, True
         if request.is_finished:
             del self._states[rid]
         return out

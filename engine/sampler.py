@@ -277,6 +277,21 @@ def _logprobs(
     return out
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int) -> list[TokenLogprobs]:
+    """Each row's logprob of ``token_ids[row]``, its rank and the ``num_top`` best alternatives, from raw
+    ``logits`` ``[n, V]`` (a prompt's logprobs: each position scores the prompt's next token)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen_logprobs = logprobs.gather(1, chosen)
+    ranks = ((logprobs > chosen_logprobs).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], chosen[:, :0])
+    values, ids, tops = chosen_logprobs.squeeze(1).tolist(), top_ids.tolist(), top_values.tolist()
+    return [
+        TokenLogprobs(token_id=t, logprob=v, rank=r, top=list(zip(i, tv, strict=True)))
+        for t, v, r, i, tv in zip(token_ids, values, ranks, ids, tops, strict=True)
+    ]
+
+
 def _token_counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """How often each token occurs in each sequence: ``[len(seqs), vocab_size]`` fp32."""
     counts = torch.zeros(len(seqs), vocab_size, device=device)

@@ -49,7 +49,7 @@ class PrefillRPC:
         shell.metrics.queue.observe(queue_s)
         shell.metrics.prefill.observe(max(0.0, now - t0 - queue_s))
         resp = worker_pb2.PrefillResponse(
-            first=delta_to_pb(out.token_ids[:1], out.text, out.logprobs),
+            first=delta_to_pb(out.token_ids[:1], out.text, out.logprobs, out.prompt_logprobs),
             usage=common_pb2.Usage(
                 prompt_tokens=len(ids), completion_tokens=1, cached_tokens=out.num_cached_tokens
             ),

@@ -15,6 +15,7 @@ from kv_transfer.handle import KVHandle, KVLayout
 _OPTIONAL_SCALARS = (
     "max_tokens",
     "min_tokens",
+    "prompt_logprobs",
     "temperature",
     "top_p",
     "top_k",
@@ -69,6 +70,8 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.structured is not None:
         msg.structured.CopyFrom(pb.StructuredOutput(kind=params.structured.kind, spec=params.structured.spec))
     return msg
@@ -113,10 +116,16 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
     )
 
 
-def delta_to_pb(token_ids: Sequence[int], text: str, logprobs: Sequence[Any] | None = None) -> pb.TokenDelta:
-    """``logprobs``: core.outputs.TokenLogprobs (or None entries) per token."""
+def delta_to_pb(
+    token_ids: Sequence[int],
+    text: str,
+    logprobs: Sequence[Any] | None = None,
+    prompt_logprobs: Sequence[Any] | None = None,
+) -> pb.TokenDelta:
+    """``logprobs``, ``prompt_logprobs``: core.outputs.TokenLogprobs (or None entries) per token."""
     msg = pb.TokenDelta(token_ids=list(token_ids), text=text)
-    for lp in logprobs or ():
-        if lp is not None:
-            msg.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=dict(lp.top)))
+    for field, entries in ((msg.logprobs, logprobs), (msg.prompt_logprobs, prompt_logprobs)):
+        for lp in entries or ():
+            if lp is not None:
+                field.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=dict(lp.top)))
     return msg

@@ -149,7 +149,11 @@ class Choices:
                 group = sorted(group, key=lambda c: -sum(lp.logprob for lp in _output(c).logprobs))[:n]
             for rank, c in enumerate(group):
                 assert c.finished is not None
-                outputs.append(ChoiceOutput(p * n + rank, _output(c), c.finished, self.echo(c)))
+                outputs.append(
+                    ChoiceOutput(
+                        p * n + rank, _output(c), c.finished, self.echo(c), c.request.prompt_token_ids or ()
+                    )
+                )
         return outputs
 
     def echo(self, choice: Choice) -> str:

@@ -45,14 +45,16 @@ def generation_from_pb(
 
 def delta_to_pb(delta: Delta) -> common_pb2.TokenDelta:
     msg = common_pb2.TokenDelta(token_ids=delta.token_ids, text=delta.text)
-    for lp in delta.logprobs:
-        msg.logprobs.append(common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top))
+    for field, entries in ((msg.logprobs, delta.logprobs), (msg.prompt_logprobs, delta.prompt_logprobs)):
+        for lp in entries or ():
+            field.append(common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top))
     return msg
 
 
 def delta_from_pb(msg: common_pb2.TokenDelta) -> Delta:
     logprobs = [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.logprobs]
-    return Delta(list(msg.token_ids), msg.text, logprobs)
+    prompt = [TokenLogprob(lp.token_id, lp.logprob, dict(lp.top)) for lp in msg.prompt_logprobs]
+    return Delta(list(msg.token_ids), msg.text, logprobs, prompt or None)
 
 
 def completion_to_pb(finished: Finished) -> gateway_pb2.Completion:

@@ -453,6 +453,10 @@ class Dispatcher:
         if job.shadow is not None:  # the comparison's logprobs: kept here, trimmed for the client
             job.shadow_top.extend(lp.top for lp in delta.logprobs)
             delta = as_asked(delta, job.client_logprobs)
+        if delta.prompt_logprobs is not None:  # sent once: a retry or a migration computes them again
+            if job.prompt_logprobs_sent:
+                delta = Delta(delta.token_ids, delta.text, delta.logprobs)
+            job.prompt_logprobs_sent = True
         stream.push(delta)
         if delta.token_ids:
             now = time.perf_counter()

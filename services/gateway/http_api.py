@@ -222,11 +222,10 @@ class HttpApi:
         # Under tools, each chat choice's text goes through its ToolStream (services.gateway.tools).
         tool_streams = {c.index: ToolStream(call.tools) for c in choices.choices} if call.tools else {}
         try:
-            for c in choices.choices:  # the role opener (chat) or the echoed prompt, for every choice
+            for c in choices.choices:  # the role opener, for every choice
                 if call.chat:
                     await send(chunk(c.index, role=True))
-                elif call.echo:
-                    await send(chunk(c.index, text=choices.echo(c)))
+            started: set[int] = set()  # choices whose first delta went out (with the prompt's echo)
             left = len(choices.choices)
             event: tuple[Choice, Delta | Finished] | None = first
             while event is not None:
@@ -237,6 +236,11 @@ class HttpApi:
                         await send(
                             chunk(choice.index, out if i == 0 else None, message=message, usage=usage())
                         )
+                elif isinstance(out, Delta) and choice.index not in started:
+                    started.add(choice.index)
+                    prompt = (choice.request.prompt_token_ids or (), out.prompt_logprobs or [])
+                    text = choices.echo(choice) + out.text if call.echo else None
+                    await send(chunk(choice.index, out, usage=usage(), text=text, prompt=prompt))
                 elif isinstance(out, Delta):
                     if out.text or out.logprobs:  # tokens whose text is held back add nothing yet
                         await send(chunk(choice.index, out, usage=usage()))

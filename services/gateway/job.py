@@ -41,6 +41,7 @@ class Job:
     migrations: int = 0
     shadow: ShadowRun | None = None  # the request mirrored to a shadow version, if the route named one
     client_logprobs: int | None = None  # what the client asked for (params ask for more while shadowed)
+    prompt_logprobs_sent: bool = False  # the prompt's logprobs reached the client (they come once)
     shadow_top: list[TopLogprobs] = field(default_factory=list)  # the primary's top logprobs per token
     labels: tuple[str, str, str] = ("", NONE, NONE)  # metrics: model, version, tenant (set once placed)
     itl: Histogram | None = None  # metrics.ITL of this request's labels

@@ -67,6 +67,7 @@ _COMMON = {
     *_SAMPLING_FIELDS,
     *_ONLY_DEFAULT,
     *_NO_EFFECT,
+    "prompt_logprobs",
 }
 COMPLETION_FIELDS = frozenset({*_COMMON, "prompt", "logprobs", "echo", "best_of"})
 CHAT_FIELDS = frozenset(
@@ -103,6 +104,7 @@ class OpenAICall:
     echo: bool = False  # the prompt's text before each choice's (completions)
     ignored: tuple[str, ...] = ()  # fields in the body this server does not know, ignored
     tools: Tools | None = None  # chat: the tools the model may call, and how
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, answered per choice
 
     @property
     def request(self) -> GenerationRequest:
@@ -126,7 +128,10 @@ def parse_completion(body: Any, request_id: str | None = None) -> OpenAICall:
     asked = logprobs
     if best_of > n and logprobs is None:
         logprobs = 0  # the choices are ranked by their tokens' log-probabilities
-    params = _sampling(fields, fields.get("max_tokens"), logprobs)
+    prompt_logprobs = fields.get("prompt_logprobs")
+    if echo and asked is not None and prompt_logprobs is None:
+        prompt_logprobs = asked  # the echoed prompt's tokens come with their logprobs
+    params = _sampling(fields, fields.get("max_tokens"), logprobs, prompt_logprobs)
     requests = tuple(
         GenerationRequest(
             params=params,
@@ -141,12 +146,18 @@ def parse_completion(body: Any, request_id: str | None = None) -> OpenAICall:
     stream, include_usage, continuous = _stream_flags(fields, ignored)
     if stream and best_of > n:
         raise InvalidRequest("best_of greater than n cannot be streamed: the best are known at the end")
-    if echo and asked is not None:
-        raise InvalidRequest(
-            "echo with logprobs needs the prompt's logprobs, which this server does not compute yet"
-        )
     return OpenAICall(
-        False, requests, n, best_of, stream, include_usage, continuous, asked, bool(echo), tuple(ignored)
+        False,
+        requests,
+        n,
+        best_of,
+        stream,
+        include_usage,
+        continuous,
+        asked,
+        bool(echo),
+        tuple(ignored),
+        prompt_logprobs=fields.get("prompt_logprobs"),
     )
 
 
@@ -165,7 +176,7 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
     if top is not None and not logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true")
     num_logprobs = (0 if top is None else top) if logprobs else None
-    params = _sampling(fields, max_tokens, num_logprobs)
+    params = _sampling(fields, max_tokens, num_logprobs, fields.get("prompt_logprobs"))
     forced = tools.constraint() if tools is not None else None
     if forced is not None:
         if params.structured is not None:
@@ -195,6 +206,7 @@ def parse_chat(body: Any, request_id: str | None = None) -> OpenAICall:
         False,
         tuple(ignored),
         tools,
+        fields.get("prompt_logprobs"),
     )
 
 
@@ -260,7 +272,9 @@ def _stream_flags(fields: Mapping[str, Any], ignored: list[str]) -> tuple[bool, 
     return bool(stream), flags["include_usage"], flags["continuous_usage_stats"]
 
 
-def _sampling(fields: Mapping[str, Any], max_tokens: Any, logprobs: Any) -> SamplingParams:
+def _sampling(
+    fields: Mapping[str, Any], max_tokens: Any, logprobs: Any, prompt_logprobs: Any = None
+) -> SamplingParams:
     values: dict[str, Any] = {name: fields[name] for name in _SAMPLING_FIELDS if fields.get(name) is not None}
     structured = parse_structured(fields)
     if structured is not None:
@@ -271,6 +285,8 @@ def _sampling(fields: Mapping[str, Any], max_tokens: Any, logprobs: Any) -> Samp
         values["max_tokens"] = max(16, values["min_tokens"])  # the default, raised to fit min_tokens
     if logprobs is not None:
         values["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        values["prompt_logprobs"] = prompt_logprobs
     return SamplingParams(**values)
 
 
@@ -308,15 +324,14 @@ def _parse_messages(messages: Any, ignored: list[str]) -> tuple[dict[str, Any], 
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role must be a non-empty string")
-        message: dict[str, Any] = {"role": role}
-        parse_tool_message_fields(i, m, message)
+        turn: dict[str, Any] = {"role": role}
+        parse_tool_message_fields(i, m, turn)
         # An assistant turn that only called tools has no content.
-        message["content"] = (
-            None if content is None and "tool_calls" in message else _text_content(i, content)
-        )
+        only_calls = content is None and turn.get("tool_calls") is not None
+        turn["content"] = None if only_calls else _text_content(i, content)
         if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
-        parsed.append(message)
+            turn["name"] = m["name"]
+        parsed.append(turn)
     return tuple(parsed)
 
 

@@ -14,12 +14,14 @@ from services.gateway.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, OpenAICa
 from services.gateway.request_stream import Delta, Finished, TokenLogprob, Usage
 from services.gateway.tools import parse_output
 
+TokenText = Callable[[int], str]
+Echo = tuple[
+    Sequence[int], Sequence[TokenLogprob]
+]  # a prompt's token ids and their logprobs (after the first)
 # The OpenAI API's spelling of a finish reason; a cancelled request is vLLM's "abort".
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 
 # --- responses -----------------------------------------------------------------------------------
-
-TokenText = Callable[[int], str]
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -43,8 +45,11 @@ def tool_finish_reason(call: OpenAICall, reason: str | None) -> str | None:
     return reason
 
 
-def logprobs_json(call: OpenAICall, logprobs: Sequence[TokenLogprob], token_text: TokenText) -> Any:
-    """OpenAI's logprobs object for these tokens: the chat shape or the legacy completions shape."""
+def logprobs_json(
+    call: OpenAICall, logprobs: Sequence[TokenLogprob], token_text: TokenText, echo: Echo | None = None
+) -> Any:
+    """OpenAI's logprobs object for these tokens: the chat shape or the legacy completions shape —
+    with ``echo``, the prompt's tokens first (the first one without a logprob)."""
     if call.logprobs is None:
         return None
     if call.chat:
@@ -60,17 +65,32 @@ def logprobs_json(call: OpenAICall, logprobs: Sequence[TokenLogprob], token_text
                 for lp in logprobs
             ]
         }
-    texts = [token_text(lp.token_id) for lp in logprobs]
+    ids = [lp.token_id for lp in logprobs]
+    values: list[float | None] = [lp.logprob for lp in logprobs]
+    tops: list[dict[str, float] | None] = [{token_text(t): v for t, v in lp.top.items()} for lp in logprobs]
+    if echo is not None:
+        prompt_ids, prompt_lps = echo
+        ids = [*prompt_ids, *ids]
+        values = [None, *(lp.logprob for lp in prompt_lps), *values]
+        tops = [None, *({token_text(t): v for t, v in lp.top.items()} for lp in prompt_lps), *tops]
+    texts = [token_text(t) for t in ids]
     offsets, pos = [], 0
     for t in texts:
         offsets.append(pos)
         pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{token_text(t): v for t, v in lp.top.items()} for lp in logprobs],
-        "text_offset": offsets,
-    }
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(echo: Echo, token_text: TokenText) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then {token id: {logprob,
+    decoded_token}} for the token and its best alternatives."""
+    prompt_ids, prompt_lps = echo
+    out: list[Any] = [None]
+    for token, lp in zip(prompt_ids[1:], prompt_lps, strict=False):
+        entry = {str(t): {"logprob": v, "decoded_token": token_text(t)} for t, v in lp.top.items()}
+        entry[str(token)] = {"logprob": lp.logprob, "decoded_token": token_text(token)}
+        out.append(entry)
+    return out
 
 
 def _chat_logprob(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
@@ -86,6 +106,7 @@ class ChoiceOutput:
     delta: Delta
     finished: Finished
     echo: str = ""  # the prompt's text, before the output (echo)
+    prompt_ids: Sequence[int] = ()  # with echo and logprobs, or prompt_logprobs
 
 
 def response_json(
@@ -112,8 +133,11 @@ def response_json(
             choice["message"] = {"role": "assistant", "content": c.delta.text}
         else:
             choice["text"] = c.echo + c.delta.text
-        choice["logprobs"] = logprobs_json(call, c.delta.logprobs, token_text)
+        prompt: Echo = (c.prompt_ids, c.delta.prompt_logprobs or [])
+        choice["logprobs"] = logprobs_json(call, c.delta.logprobs, token_text, prompt if call.echo else None)
         choice["finish_reason"] = reason
+        if call.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(prompt, token_text)
         out.append(choice)
     return {
         "id": rid,
@@ -139,11 +163,12 @@ def chunk_json(
     text: str | None = None,
     message: dict[str, Any] | None = None,
     reason: str | None = None,
+    prompt: Echo | None = None,
 ) -> dict[str, Any]:
     """One stream chunk of choice ``index``: a delta, the role opener (chat) or the finish chunk (empty
     delta). ``usage`` is sent when given (continuous usage, or the last finish chunk); ``text``
     replaces the delta's text (an echoed prompt before it); ``message`` the chat delta (tool calls),
-    ``reason`` the finish reason."""
+    ``reason`` the finish reason; ``prompt`` the prompt's ids and logprobs, on a choice's first chunk."""
     choice: dict[str, Any] = {"index": index}
     if text is None:
         text = delta.text if delta is not None else ""
@@ -153,8 +178,11 @@ def chunk_json(
         choice["delta"] = message
     else:
         choice["text"] = text
-    choice["logprobs"] = logprobs_json(call, delta.logprobs, token_text) if delta is not None else None
+    echo = prompt if call.echo else None
+    choice["logprobs"] = logprobs_json(call, delta.logprobs, token_text, echo) if delta is not None else None
     choice["finish_reason"] = reason or finish_reason(finished)
+    if prompt is not None and call.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(prompt, token_text)
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if call.chat else "text_completion",

@@ -35,11 +35,15 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With the first token, when asked for: one per prompt token after the first (vLLM's prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def extend(self, other: Delta) -> None:
         self.token_ids.extend(other.token_ids)
         self.text += other.text
         self.logprobs.extend(other.logprobs)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = other.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +130,9 @@ class RequestStream:
         if self.num_tokens >= 2:
             self.decoding.set()
         if self._pending is None:
-            self._pending = Delta(list(delta.token_ids), delta.text, list(delta.logprobs))
+            self._pending = Delta(
+                list(delta.token_ids), delta.text, list(delta.logprobs), delta.prompt_logprobs
+            )
             self._ready_at = time.perf_counter()
         else:
             self._pending.extend(delta)

@@ -384,11 +384,11 @@ def as_asked(delta: Delta, num_logprobs: int | None) -> Delta:
     """A shadowed primary's ``delta`` with the logprobs its client asked for: none, or each token's
     ``num_logprobs`` best (the primary asked its workers for SHADOW_TOP_K)."""
     if num_logprobs is None:
-        return Delta(delta.token_ids, delta.text)
+        return Delta(delta.token_ids, delta.text, prompt_logprobs=delta.prompt_logprobs)
     trimmed = [
         TokenLogprob(
             lp.token_id, lp.logprob, dict(sorted(lp.top.items(), key=lambda kv: -kv[1])[:num_logprobs])
         )
         for lp in delta.logprobs
     ]
-    return Delta(delta.token_ids, delta.text, trimmed)
+    return Delta(delta.token_ids, delta.text, trimmed, delta.prompt_logprobs)

@@ -434,3 +434,45 @@ def test_a_conversation_with_earlier_calls_and_results(client: openai.OpenAI, ga
     )
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert out.usage is not None and out.usage.prompt_tokens > 50  # the tools are in the prompt
+
+
+def test_echo_with_logprobs_through_the_disaggregated_path(
+    client: openai.OpenAI, gateway: GatewayThread, tiny_long: Path
+) -> None:
+    """The prefill worker computes the prompt's logprobs (every position, none from the prefix cache)
+    and they come back with the first token: the echoed tokens carry them, equal to the engine's
+    offline; streamed, the first chunk carries the prompt and its logprobs."""
+    from core.sampling_params import SamplingParams
+    from engine import LLM
+
+    kw: dict[str, Any] = dict(model=gateway.model, prompt=PROMPTS[2], max_tokens=4, temperature=0, logprobs=2)
+    whole = client.completions.create(echo=True, **kw)
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert whole.choices[0].text.startswith(PROMPTS[2])
+    num_prompt = whole.usage.prompt_tokens  # type: ignore[union-attr]
+    assert len(lp.tokens) == num_prompt + 4 and lp.token_logprobs[0] is None
+    assert "".join(lp.tokens[:num_prompt]) == PROMPTS[2]  # the echoed prompt, token by token
+    llm = LLM(str(tiny_long), kv_cache_memory=4 << 20, dtype="float32", num_threads=1)
+    offline = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    assert offline.prompt_logprobs is not None
+    expected = [e.logprob for e in offline.prompt_logprobs[1:] if e is not None]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:num_prompt], expected, strict=True)) < 1e-4  # type: ignore[operator]
+
+    first = next(iter(client.completions.create(echo=True, stream=True, **kw)))
+    assert first.choices[0].text.startswith(PROMPTS[2])
+    assert first.choices[0].logprobs is not None and first.choices[0].logprobs.tokens is not None
+    assert len(first.choices[0].logprobs.tokens) >= num_prompt + 1
+
+    # vLLM's spelling, on chat too: per prompt token, None first, then {token id: {logprob, decoded_token}}.
+    body = {
+        "model": gateway.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "prompt_logprobs": 1,
+    }
+    status, _, out = http_json(gateway, "/v1/chat/completions", body)
+    assert status == 200, out
+    prompt_lps = out["choices"][0]["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == out["usage"]["prompt_tokens"]
+    assert all(1 <= len(entry) <= 2 for entry in prompt_lps[1:])

@@ -26,10 +26,13 @@ pytestmark = pytest.mark.unit
 
 
 class FakeTokenizer:
+    knows_tools = False  # its chat template does not render tools (services.gateway.tools renders them)
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 100 for c in text]
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], tools: object = None) -> list[int]:
+        assert tools is None
         return [1] + [t for m in messages for t in self.encode(m["content"])]
 
 

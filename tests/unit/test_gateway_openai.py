@@ -86,7 +86,7 @@ def test_completion_prompt_forms(prompt: object, text: str | None, ids: tuple[in
         ({"prompt": ["a", [1, "b"]]}, "prompt[1] must be a string or a list of token ids"),
         ({"prompt": "a", "best_of": 2, "stream": True}, "best_of greater than n cannot be streamed"),
         ({"prompt": "a", "echo": 1}, "echo must be a boolean"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
         ({"prompt": "a", "stream": True, "stream_options": []}, "stream_options must be an object"),
         (
             {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": "y"}},
@@ -344,3 +344,20 @@ def test_bad_structured_outputs(fields: dict[str, Any], needle: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_completion({"prompt": "x", **fields})
     assert needle in info.value.message
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs() -> None:
+    echo = parse_completion({"prompt": "a", "echo": True, "logprobs": 2})
+    assert echo.request.params.prompt_logprobs == 2 and echo.echo and echo.logprobs == 2
+    assert echo.prompt_logprobs is None  # not vLLM's field: the echoed logprobs only
+    vllm = parse_chat({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0})
+    assert vllm.request.params.prompt_logprobs == 0 and vllm.prompt_logprobs == 0
+    call = parse_completion({"prompt": "ab", "echo": True, "logprobs": 1})
+    delta = Delta([7], "c", [TokenLogprob(7, -0.7, {7: -0.7})], [TokenLogprob(6, -0.6, {5: -0.1})])
+    body = response_json(
+        call, "r", "m", 1, [ChoiceOutput(0, delta, FINISHED, "ab", (5, 6))], FINISHED.usage, _text
+    )
+    lp = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == "abc"
+    assert lp["tokens"] == ["<5>", "<6>", "<7>"] and lp["token_logprobs"] == [None, -0.6, -0.7]
+    assert lp["top_logprobs"] == [None, {"<5>": -0.1}, {"<7>": -0.7}] and lp["text_offset"] == [0, 3, 6]
