@@ -23,6 +23,7 @@ from benchmarks import (
     kv_bench,
     peer_bench,
     scheduler_bench,
+    structured_bench,
     tenancy_bench,
 )
 from benchmarks.report import DEFAULT_PATH, update_section
@@ -36,6 +37,7 @@ SECTIONS: dict[str, Callable[..., str]] = {
     "tenancy": tenancy_bench.run_section,
     "peers": peer_bench.run_section,
     "autoscaling": autoscale_bench.run_section,
+    "structured": structured_bench.run_section,
 }
 
 

@@ -163,6 +163,23 @@ def paged_decode_attention(
 
 
 # ------------------------------------------------------------------ torch references
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Sets to -inf, in place, the logits of ``rows`` whose bit is 0 in ``bitmask`` ``[B, ceil(V/32)]``
+    int32 (bit i of word w: token 32·w + i)."""
+    if use_kernels(logits) and logits.is_contiguous() and bitmask.is_contiguous():
+        torch.ops.baton.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long))
+        return
+    apply_token_bitmask_ref(logits, bitmask, rows)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[index].unsqueeze(-1) >> shifts) & 1  # [n, W, 32]
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 

@@ -33,6 +33,7 @@ import torch
 from core.errors import InvalidRequest
 from core.request import OutputConstraint
 from core.sampling_params import StructuredOutput
+from engine import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,11 @@ def apply_masks(
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab_size)
     for r, c in rows:
         c.fill(bitmask, r)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=[r for r, _ in rows])
+    if logits.device.type == "cpu":  # Baton's kernel: xgrammar's CPU path took 3 ms for 16 rows here
+        cpu_ops.apply_token_bitmask(logits, bitmask, [r for r, _ in rows])
+    else:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=[r for r, _ in rows])
 
 
 def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:

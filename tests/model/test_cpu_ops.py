@@ -254,3 +254,22 @@ def test_steps_mixing_prompt_chunks_with_decodes_run_the_one_call_stack_alike(
         torch.testing.assert_close(
             torch.tensor(fast_lp[rid][:same]), torch.tensor(slow_lp[rid][:same]), atol=tol, rtol=tol
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_bitmask_kernel_matches_its_reference(dtype: torch.dtype) -> None:
+    """Structured outputs' mask: the kernel sets exactly the tokens whose bit is 0 to -inf, in the rows
+    asked for and only there, over a vocabulary that does not fill its last 32-bit word."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 1000  # 31.25 words
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, 32), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # a row that allows everything
+    rows = [0, 1, 4]
+    want, got = logits.clone(), logits.clone()
+    cpu_ops.apply_token_bitmask_ref(want, bitmask, rows)
+    cpu_ops.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[2, 3, 5]], logits[[2, 3, 5]]) and torch.equal(got[1], logits[1])
+    token = 37  # word 1, bit 5
+    assert (got[0, token] == float("-inf")) == (not (int(bitmask[0, 1]) >> 5) & 1)
