@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from harness import BatonUp, start_baton_up
 
@@ -127,6 +128,35 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
         )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert "Paris" in text
+
+        # Structured outputs, as issue 17 asks: 100 seeded samples at temperature 1 held to a JSON
+        # schema (two calls of n=50: choice j of a call seeded s samples with seed s + j), all valid.
+        schema = {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "country": {"type": "string", "maxLength": 20},
+                "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000},
+            },
+            "required": ["city", "country", "population"],
+            "additionalProperties": False,
+        }
+        texts = []
+        for seed in (0, 50):
+            out = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Describe the capital of France as JSON."}],
+                max_tokens=100,
+                temperature=1.0,
+                seed=seed,
+                n=50,
+                response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+            )
+            assert {c.finish_reason for c in out.choices} == {"stop"}  # the grammar ended each one
+            texts += [c.message.content or "" for c in out.choices]
+        assert len(texts) == 100
+        for t in texts:
+            jsonschema.validate(json.loads(t), schema)
         stop_up(up)
     finally:
         up.shut_down()

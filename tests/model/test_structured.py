@@ -159,7 +159,7 @@ def test_default_model_schema_outputs_are_all_valid() -> None:
         "properties": {
             "city": {"type": "string", "maxLength": 20},
             "country": {"type": "string", "maxLength": 20},
-            "population": {"type": "integer", "minimum": 0},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000},  # digits end
         },
         "required": ["city", "country", "population"],
         "additionalProperties": False,
@@ -172,6 +172,7 @@ def test_default_model_schema_outputs_are_all_valid() -> None:
     outs = llm.chat([messages] * 100, params)
     valid = 0
     for o in outs:
+        assert o.finish_reason == "stop", o.text  # the grammar ended it, within max_tokens
         jsonschema.validate(json.loads(o.text), schema)
         valid += 1
     assert valid == 100
