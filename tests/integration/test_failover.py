@@ -28,6 +28,7 @@ import grpc
 import harness
 import jsonschema
 import pytest
+from conftest import make_tiny_checkpoint
 from harness import (
     SLACK_S,
     GatewayThread,
@@ -71,6 +72,13 @@ def greedy(max_tokens: int) -> common_pb2.SamplingParams:
 
 
 # --- the cluster -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 2,048-token context: an OpenAI call with tools carries a few hundred tokens
+    of tool descriptions in the tiny tokenizer's tokens."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-long"), "llama", max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
@@ -125,18 +133,18 @@ class Cluster(harness.Cluster):
 
 @pytest.fixture
 def cluster(
-    scheduler: SchedulerProcess, redis: RedisServer, tiny_llama: Path, tmp_path: Path
+    scheduler: SchedulerProcess, redis: RedisServer, tiny_model: Path, tmp_path: Path
 ) -> Iterator[Cluster]:
-    with Cluster(scheduler, redis, tiny_llama, tmp_path) as c:
+    with Cluster(scheduler, redis, tiny_model, tmp_path) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama: Path) -> dict[str, Any]:
+def offline(tiny_model: Path) -> dict[str, Any]:
     """What the engine produces offline for the same prompts (greedy, ignore_eos)."""
     from engine import LLM
 
-    llm = LLM(str(tiny_llama), kv_cache_memory=32 << 20, dtype="float32", num_threads=1)
+    llm = LLM(str(tiny_model), kv_cache_memory=32 << 20, dtype="float32", num_threads=1)
     streams = llm.generate(
         [_prompt(i) for i in range(NUM_STREAMS)],
         SamplingParams(max_tokens=MIGRATE_TOKENS, temperature=0, ignore_eos=True),
@@ -368,64 +376,129 @@ def test_streams_of_a_killed_decode_worker_migrate(
     )
 
 
-# Long enough to be mid-way at the kill: 80 numbers under 1000.
+# Each OpenAI case: its endpoint and body; every output is long enough to be mid-way at the kill.
 LONG_SCHEMA = {
     "type": "array",
     "items": {"type": "integer", "minimum": 0, "maximum": 999},
     "minItems": 80,
     "maxItems": 80,
 }
-
-
-@pytest.mark.parametrize("constrained", [False, True], ids=["free", "json-schema"])
-def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster, constrained: bool) -> None:
-    """An OpenAI call with n=2 seeded choices, sampled at temperature 1, both decoding on a decode worker
-    that is killed mid-stream: each choice continues on the other decode worker and the client gets
-    exactly what an uninterrupted single request with that choice's seed (s + j) gives. With a JSON
-    schema, the grammar's state moves with each choice (the new worker replays the tokens sent): the
-    outputs still parse and validate."""
-    gw = cluster.start("prefill", "decode", "decode")
-    _, first, second = cluster.workers
-    steer(cluster, first, second)
-    migrations = metric("baton_gateway_migrations_total")
-    body: dict[str, Any] = {
-        "prompt": _prompt(3),
-        "max_tokens": MIGRATE_TOKENS,
-        "temperature": 1.0,
-        "ignore_eos": not constrained,  # a constrained output ends when its grammar does
-        "seed": 77,
+LONG_CHOICES = [" ".join(["alpha beta gamma"] * 12), " ".join(["delta epsilon"] * 15)]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "record",
+            "parameters": {"type": "object", "properties": {"values": LONG_SCHEMA}},
+        },
     }
-    if constrained:
-        body["guided_json"] = LONG_SCHEMA
-    conn, events = harness.sse_events(gw, "/v1/completions", {**body, "n": 2, "stream": True})
-    texts, chunks = ["", ""], [0, 0]
-    for event in events:
-        for c in event["choices"]:
-            texts[c["index"]] += c["text"]
-            chunks[c["index"]] += 1
-        if min(chunks) >= 3:
-            break
-    os.kill(first.proc.pid, signal.SIGSTOP)  # frozen until killed: the tiny model is quick
-    _let_back_in(cluster)
-    first.kill()
-    usage = None
+]
+COMPLETION = {"prompt": _prompt(3), "max_tokens": MIGRATE_TOKENS, "temperature": 1.0, "seed": 77}
+OPENAI_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "free": ("/v1/completions", {**COMPLETION, "ignore_eos": True}),
+    "json-schema": ("/v1/completions", {**COMPLETION, "guided_json": LONG_SCHEMA}),
+    "regex": ("/v1/completions", {**COMPLETION, "guided_regex": "([a-z]{3}-[0-9]{2} ){60}"}),
+    "choice": ("/v1/completions", {**COMPLETION, "guided_choice": LONG_CHOICES}),
+    "echo-logprobs": ("/v1/completions", {**COMPLETION, "ignore_eos": True, "echo": True, "logprobs": 1}),
+    "tool-required": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": _prompt(3)}],
+            "max_tokens": MIGRATE_TOKENS,
+            "temperature": 1.0,
+            "seed": 77,
+            "tools": TOOLS,
+            "tool_choice": "required",
+        },
+    ),
+}
+
+
+def _choice_outputs(path: str, events: Iterator[Any]) -> tuple[list[str], Any]:
+    """Each choice's text (a chat's content and tool-call arguments) and the last usage, read to [DONE]."""
+    texts, usage = ["", ""], None
     for event in events:
         if event == "[DONE]":
             break
         assert "error" not in event, event
         for c in event["choices"]:
-            texts[c["index"]] += c["text"]
+            if path == "/v1/completions":
+                texts[c["index"]] += c["text"]
+            else:
+                delta = c["delta"]
+                texts[c["index"]] += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:
+                    texts[c["index"]] += call["function"].get("name", "") + call["function"].get(
+                        "arguments", ""
+                    )
         usage = event.get("usage") or usage
+    return texts, usage
+
+
+def _single_output(path: str, out: dict[str, Any]) -> str:
+    choice = out["choices"][0]
+    if path == "/v1/completions":
+        return str(choice["text"])
+    calls = choice["message"].get("tool_calls") or []
+    return (choice["message"]["content"] or "") + "".join(
+        c["function"]["name"] + c["function"]["arguments"] for c in calls
+    )
+
+
+def _tokens_so_far(gw: GatewayThread, rids: list[str]) -> list[int]:
+    """Tokens each request in flight has produced (read on the gateway's loop), 0 for one not in flight."""
+
+    async def read() -> list[int]:
+        streams = gw.server.dispatcher._in_flight
+        return [streams[r].num_tokens if r in streams else 0 for r in rids]
+
+    result: list[int] = gw._call(read(), 10)
+    return result
+
+
+@pytest.mark.parametrize("case", list(OPENAI_CASES))
+def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster, case: str) -> None:
+    """An OpenAI call with n=2 seeded choices, sampled at temperature 1, both decoding on a decode worker
+    that is killed mid-stream: each choice continues on the other decode worker and the client gets
+    exactly what an uninterrupted single request with that choice's seed (s + j) gives. Under a JSON
+    schema, a regex, a choice or a required tool call, the grammar's state moves with each choice (the
+    new worker replays the tokens sent); with echo and logprobs, the prompt's logprobs came with the
+    first token and are not sent again."""
+    path, body = OPENAI_CASES[case]
+    gw = cluster.start("prefill", "decode", "decode")
+    _, first, second = cluster.workers
+    steer(cluster, first, second)
+    migrations = metric("baton_gateway_migrations_total")
+    call_id = f"mig-{case}"
+    conn, events = harness.sse_events(gw, path, {**body, "n": 2, "stream": True}, {"X-Request-Id": call_id})
+    children = [f"{call_id}-0", f"{call_id}-1"]
+    eventually(lambda: min(_tokens_so_far(gw, children)) >= 3, 30, "both choices decoding")
+    os.kill(first.proc.pid, signal.SIGSTOP)  # frozen until killed: the tiny model is quick
+    _let_back_in(cluster)
+    first.kill()
+    texts, usage = _choice_outputs(path, events)
     conn.close()
     assert usage is not None
-    assert constrained or usage["completion_tokens"] == 2 * MIGRATE_TOKENS
     assert metric("baton_gateway_migrations_total") == migrations + 2  # both choices moved
     for j in range(2):
-        status, _, single = http_json(gw, "/v1/completions", {**body, "seed": 77 + j})
+        status, _, single = http_json(gw, path, {**body, "seed": 77 + j})
         assert status == 200, single
-        assert texts[j] == single["choices"][0]["text"], j
-        if constrained:
-            jsonschema.validate(json.loads(texts[j]), LONG_SCHEMA)
+        assert texts[j] == _single_output(path, single), (case, j)
+    if case == "free":
+        assert usage["completion_tokens"] == 2 * MIGRATE_TOKENS
+    if case == "json-schema":
+        for text in texts:
+            jsonschema.validate(json.loads(text), LONG_SCHEMA)
+    if case == "regex":
+        assert all(re.fullmatch("([a-z]{3}-[0-9]{2} ){60}", t) for t in texts), texts
+    if case == "choice":
+        assert set(texts) <= set(LONG_CHOICES)
+    if case == "echo-logprobs":
+        assert all(t.startswith(_prompt(3)) for t in texts)
+    if case == "tool-required":
+        assert all(t.startswith("record") for t in texts)
+        for t in texts:  # "record" then its arguments: one call each here, or several
+            assert json.loads(t.removeprefix("record").split("record")[0]) is not None
     second.wait_all_free()
 
 
