@@ -476,3 +476,38 @@ def test_echo_with_logprobs_through_the_disaggregated_path(
     prompt_lps = out["choices"][0]["prompt_logprobs"]
     assert prompt_lps[0] is None and len(prompt_lps) == out["usage"]["prompt_tokens"]
     assert all(1 <= len(entry) <= 2 for entry in prompt_lps[1:])
+
+
+@pytest.mark.parametrize(
+    "path, body, needle",
+    [
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a" * 70_000}, "over the limit of 65536 bytes"),
+        ("/v1/completions", {"prompt": "x", "n": 65}, "n must be an integer in [1, 64]"),
+        ("/v1/completions", {"prompt": ["x"] * 3, "n": 50}, "over the limit of 128 choices"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2, "n": 3}, "best_of must be >= n"),
+        ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= nope"}, "grammar cannot be compiled"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "(("}, "regex cannot be compiled"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            "tool_choice needs tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "bad name"}}],
+            },
+            "tools[0].function.name must be",
+        ),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 99}, "prompt_logprobs must be in [0, 20]"),
+    ],
+)
+def test_bad_values_of_the_new_fields(
+    gateway: GatewayThread, path: str, body: dict[str, Any], needle: str
+) -> None:
+    """Each a 400 with the reason, and the server keeps serving."""
+    status, _, out = http_json(gateway, path, {**body, "max_tokens": 3})
+    assert status == 400, out
+    assert needle in out["error"]["message"] and out["error"]["type"] == "invalid_request_error"
+    assert http_json(gateway, "/health")[0] == 200
