@@ -654,12 +654,13 @@ class SessionClient:
         self._outbox: queue.Queue[gateway_pb2.SessionRequest | None] = queue.Queue()
         self._responses = gw.stub.Session(iter(self._outbox.get, None), timeout=60)
 
-    def generate(self, rid: str, prompt: str, sampling: common_pb2.SamplingParams) -> None:
-        self._outbox.put(
-            gateway_pb2.SessionRequest(
-                generate=gateway_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling)
-            )
-        )
+    def generate(
+        self, rid: str, prompt: str, sampling: common_pb2.SamplingParams, n: int | None = None
+    ) -> None:
+        request = gateway_pb2.GenerateRequest(request_id=rid, prompt=prompt, sampling=sampling)
+        if n is not None:
+            request.n = n
+        self._outbox.put(gateway_pb2.SessionRequest(generate=request))
 
     def cancel(self, rid: str) -> None:
         self._outbox.put(gateway_pb2.SessionRequest(cancel=gateway_pb2.CancelRequest(request_id=rid)))

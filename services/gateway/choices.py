@@ -27,12 +27,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from core.errors import ServingError
+from core.outputs import FinishReason
 from core.sampling_params import MAX_SEED
 from services.gateway.admission import GenerationRequest
 from services.gateway.dispatch import Dispatcher
 from services.gateway.openai_api import OpenAICall
 from services.gateway.openai_responses import ChoiceOutput
-from services.gateway.request_stream import Delta, Finished, RequestStream, Usage
+from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, Usage
 
 Event = tuple["Choice", Delta | Finished]
 
@@ -63,7 +64,9 @@ class Choices:
         self.choices: list[Choice] = []
         # Bounded: a slow client's tokens wait in each choice's own stream, which fails past its limit.
         self._queue: asyncio.Queue[Event | tuple[Choice, ServingError]] = asyncio.Queue(1)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # what feeds the events
+        self._starters: list[asyncio.Task[None]] = []  # each prompt's choices after its first
+        self._cancelled = False
 
     async def start(self) -> None:
         """Validates every prompt (raising the first one's error), then starts the choices."""
@@ -95,7 +98,9 @@ class Choices:
             self._submit(group[0])  # raises for the first prompt: a draining gateway, a duplicate id
             self._tasks.append(loop.create_task(self._pump(group[0])))
             if len(group) > 1:
-                self._tasks.append(loop.create_task(self._start_rest(group[0], group[1:])))
+                self._starters.append(loop.create_task(self._start_rest(group[0], group[1:])))
+        if len(self.choices) > 1:  # a Cancel by the call's id reaches every choice, started or not
+            self.dispatcher.calls[self.id] = self.cancel
 
     def _submit(self, choice: Choice) -> None:
         choice.stream = self.dispatcher.submit(choice.request)
@@ -179,16 +184,27 @@ class Choices:
         return Usage(prompt, completion, cached)
 
     def cancel(self, reason: str) -> None:
-        """Cancels every choice still running, and every choice not started yet."""
-        for task in self._tasks:
+        """Cancels every choice still running, and every choice not started yet: each ends with a
+        cancelled finish in `events` (one not started, with no tokens)."""
+        if self._cancelled:
+            return
+        self._cancelled = True
+        loop = asyncio.get_running_loop()
+        for task in self._starters:
             task.cancel()
         for c in self.choices:
             if c.stream is not None:
                 c.stream.cancel(reason)
+            else:
+                ended = Finished(FinishReason.CANCELLED, Usage(c.prompt_tokens, 0), Timings())
+                self._tasks.append(loop.create_task(self._queue.put((c, ended))))
 
     async def close(self, reason: str) -> None:
-        """`cancel`, then waits for the tasks that feed the events to end."""
+        """`cancel`, then stops the tasks that feed the events."""
         self.cancel(reason)
+        self.dispatcher.calls.pop(self.id, None)
+        for task in self._tasks:
+            task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 

@@ -17,6 +17,7 @@ from core.errors import InvalidRequest
 from rpc.convert import FINISH_TO_PB, sampling_from_pb
 from rpc.servicer import Undecodable
 from services.gateway.admission import GenerationRequest
+from services.gateway.openai_api import MAX_N
 from services.gateway.request_stream import Delta, Finished, TokenLogprob
 
 
@@ -41,6 +42,14 @@ def generation_from_pb(
         api="grpc",
         api_key=api_key,
     )
+
+
+def choices_from_pb(msg: gateway_pb2.GenerateRequest) -> int:
+    """The request's ``n``, checked (the HTTP API's cap)."""
+    n = msg.n if msg.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"n must be an integer in [1, {MAX_N}], got {n}")
+    return n
 
 
 def delta_to_pb(delta: Delta) -> common_pb2.TokenDelta:

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from core.errors import (
@@ -91,6 +92,7 @@ class Dispatcher:
         self.tenant_label = tenant_label or BoundedLabel()  # keeps the tenant label's values bounded
         self._client_wait = metrics.CLIENT_WAIT.labels(model.name)
         self._in_flight: dict[str, RequestStream] = {}
+        self.calls: dict[str, Callable[[str], None]] = {}  # a call of several choices: its cancel, by id
         self._jobs: dict[str, Job] = {}
         self._idle = asyncio.Event()  # set while nothing is in flight
         self._idle.set()
@@ -139,6 +141,9 @@ class Dispatcher:
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Cancels a request in flight, wherever it runs; False if the id is unknown or already ended."""
+        if request_id in self.calls:  # the choices of one call (services.gateway.choices)
+            self.calls[request_id](reason)
+            return True
         stream = self._in_flight.get(request_id)
         return stream.cancel(reason) if stream is not None else False
 

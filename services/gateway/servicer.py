@@ -20,9 +20,12 @@ from baton.v1 import gateway_pb2, gateway_pb2_grpc
 from core.errors import CapacityExceeded, ServingError
 from rpc.errors import as_serving_error, error_to_pb
 from rpc.servicer import Undecodable
-from services.gateway.convert import completion_to_pb, delta_to_pb, generation_from_pb
+from services.gateway.admission import GenerationRequest
+from services.gateway.choices import Choices
+from services.gateway.convert import choices_from_pb, completion_to_pb, delta_to_pb, generation_from_pb
 from services.gateway.dispatch import Dispatcher
-from services.gateway.request_stream import Delta, RequestStream
+from services.gateway.openai_api import OpenAICall
+from services.gateway.request_stream import Delta, Finished, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,19 @@ def api_key_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) ->
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
     return values.get("x-api-key", "").strip()
+
+
+def several_choices(dispatcher: Dispatcher, request: GenerationRequest, n: int, api_key: str) -> Choices:
+    """A request of ``n`` > 1 choices, run as the HTTP API runs them (services.gateway.choices)."""
+    call = OpenAICall(request.messages is not None, (request,), n, n)
+    return Choices(dispatcher, call, request.request_id, api_key)
+
+
+def event_fields(event: Delta | Finished) -> dict[str, object]:
+    """A response's event: a delta or the completion."""
+    if isinstance(event, Delta):
+        return {"delta": delta_to_pb(event)}
+    return {"completion": completion_to_pb(event)}
 
 
 def cancel_reason(context: grpc.aio.ServicerContext) -> str:
@@ -64,6 +80,7 @@ class GatewaySession:
         self._time_remaining = time_remaining  # the call's deadline applies to each of its requests
         self._outbox: asyncio.Queue[gateway_pb2.SessionResponse | None] = asyncio.Queue(SESSION_OUTBOX)
         self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[str, Choices] = {}  # requests of n > 1 choices, by request id
         self._pumps: set[asyncio.Task[None]] = set()
         self._reading = True
         self._closed = False
@@ -92,12 +109,14 @@ class GatewaySession:
         self._closed = True
         for stream in list(self._streams.values()):
             stream.cancel(reason)
+        for call in list(self._calls.values()):
+            call.cancel(reason)
         for pump in self._pumps:
             pump.cancel()
 
     async def _start(self, msg: gateway_pb2.GenerateRequest) -> None:
         rid = msg.request_id if msg.HasField("request_id") and msg.request_id else uuid.uuid4().hex
-        if len(self._streams) >= self._max_requests:
+        if len(self._streams) + len(self._calls) >= self._max_requests:
             await self._send_error(
                 rid,
                 CapacityExceeded(
@@ -108,12 +127,25 @@ class GatewaySession:
             return
         try:
             request = replace(generation_from_pb(msg, self._time_remaining(), self._api_key), request_id=rid)
-            stream = self._dispatcher.submit(request)
+            n = choices_from_pb(msg)
+            if n > 1:
+                call = several_choices(self._dispatcher, request, n, self._api_key)
+                self._calls[rid] = call
+                try:
+                    await call.start()
+                except BaseException:
+                    self._calls.pop(rid, None)
+                    await call.close("failed")
+                    raise
+                run = self._pump_choices(rid, call)
+            else:
+                stream = self._dispatcher.submit(request)
+                self._streams[rid] = stream
+                run = self._pump(stream)
         except ServingError as e:
             await self._send_error(rid, e)
             return
-        self._streams[rid] = stream
-        pump = asyncio.get_running_loop().create_task(self._pump(stream))
+        pump = asyncio.get_running_loop().create_task(run)
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
 
@@ -138,11 +170,26 @@ class GatewaySession:
             if not self._closed:
                 await self._end_if_idle()
 
+    async def _pump_choices(self, rid: str, call: Choices) -> None:
+        try:
+            async for choice, event in call.events():
+                msg = gateway_pb2.SessionResponse(request_id=rid, index=choice.index, **event_fields(event))
+                await self._outbox.put(msg)
+        except ServingError as e:
+            await self._send_error(rid, e)
+        except Exception as e:  # a bug must not take the other requests of the session down
+            await self._send_error(rid, as_serving_error(e))
+        finally:
+            self._calls.pop(rid, None)
+            await call.close("failed")  # a no-op for the choices that ended
+            if not self._closed:
+                await self._end_if_idle()
+
     async def _send_error(self, rid: str, error: ServingError) -> None:
         await self._outbox.put(gateway_pb2.SessionResponse(request_id=rid, error=error_to_pb(error)))
 
     async def _end_if_idle(self) -> None:
-        if not self._reading and not self._streams and not self._closed:
+        if not self._reading and not self._streams and not self._calls and not self._closed:
             self._closed = True
             await self._outbox.put(None)
 
@@ -177,7 +224,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         key = api_key_from_metadata(context.invocation_metadata())  # (an Undecodable never gets here)
-        stream = self._dispatcher.submit(generation_from_pb(request, context.time_remaining(), key))
+        generation = generation_from_pb(request, context.time_remaining(), key)
+        n = choices_from_pb(request)
+        if n > 1:
+            call = several_choices(self._dispatcher, generation, n, key)
+            try:
+                await call.start()
+                async for choice, event in call.events():
+                    yield gateway_pb2.GenerateResponse(
+                        request_id=call.id, index=choice.index, **event_fields(event)
+                    )
+            finally:
+                await call.close(cancel_reason(context))
+            return
+        stream = self._dispatcher.submit(generation)
         rid = stream.request_id
         try:
             async for event in stream:

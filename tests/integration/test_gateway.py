@@ -882,3 +882,70 @@ def test_streams_a_gateway_cuts_at_the_end_of_its_drain_end_with_an_error(
         e["choices"][0].get("finish_reason") for e in rest if isinstance(e, dict) and "choices" in e
     )
     workers["both"].wait_all_free()
+
+
+# --- several choices over gRPC ---------------------------------------------------------------------
+
+
+def test_grpc_generate_and_session_stream_n_choices_by_index(
+    disaggregated: GatewayThread, workers: dict[str, WorkerProcess]
+) -> None:
+    """``n`` on the gRPC API, as on HTTP: each choice streams with its index, choice j equals a single
+    request seeded s + j, and one Cancel (or a Session cancel) by the request id ends every choice."""
+    sampling = common_pb2.SamplingParams(max_tokens=10, temperature=1.0, seed=40, ignore_eos=True)
+    msg = gateway_pb2.GenerateRequest(request_id="grpc-n", prompt=PROMPTS[0], sampling=sampling, n=3)
+    ids: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    completions = {}
+    for r in disaggregated.stub.Generate(msg, timeout=60):
+        assert r.request_id == "grpc-n"
+        if r.HasField("delta"):
+            ids[r.index] += r.delta.token_ids
+        else:
+            completions[r.index] = r.completion
+    assert sorted(completions) == [0, 1, 2]
+    for j in range(3):
+        single = common_pb2.SamplingParams(max_tokens=10, temperature=1.0, seed=40 + j, ignore_eos=True)
+        alone, _, _ = grpc_generate(
+            disaggregated, gateway_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=single)
+        )
+        assert ids[j] == alone, j
+        assert completions[j].usage.completion_tokens == 10
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            disaggregated.stub.Generate(
+                gateway_pb2.GenerateRequest(prompt="x", sampling=sampling, n=65), timeout=30
+            )
+        )
+    assert info.value.code() == INVALID and "n must be an integer in [1, 64]" in (info.value.details() or "")
+
+    # Cancel by the request id: every choice ends, each with its own completion (cancelled).
+    long = common_pb2.SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+    call = disaggregated.stub.Generate(
+        gateway_pb2.GenerateRequest(request_id="grpc-n-cancel", prompt=PROMPTS[1], sampling=long, n=2),
+        timeout=60,
+    )
+    cancelled = False
+    ended = {}
+    for r in call:  # cancelled at the first token: the second choice may not have started yet
+        if r.HasField("delta") and not cancelled:
+            assert disaggregated.stub.Cancel(gateway_pb2.CancelRequest(request_id="grpc-n-cancel")).found
+            cancelled = True
+        elif r.HasField("completion"):
+            ended[r.index] = r.completion.finish_reason
+    assert ended == {0: common_pb2.FINISH_REASON_CANCELLED, 1: common_pb2.FINISH_REASON_CANCELLED}
+
+    # A Session runs it beside a plain request, and cancels it by id.
+    session = SessionClient(disaggregated)
+    session.generate("s-plain", PROMPTS[2], greedy())
+    session.generate("s-n", PROMPTS[1], long, n=2)
+    got: list[gateway_pb2.SessionResponse] = []
+    while {r.index for r in got if r.request_id == "s-n" and r.HasField("delta")} != {0, 1}:
+        got.append(session.next())
+    session.cancel("s-n")
+    got += session.close()
+    ends = {(r.request_id, r.index): r.completion.finish_reason for r in got if r.HasField("completion")}
+    assert ends[("s-n", 0)] == ends[("s-n", 1)] == common_pb2.FINISH_REASON_CANCELLED
+    assert ends[("s-plain", 0)] in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    for worker in (workers["prefill"], workers["decode"]):
+        worker.wait_all_free()
