@@ -57,6 +57,7 @@ class Candidate(NamedTuple):
     transfers: int
     hit_blocks: int  # leading blocks of this request's hash chain it holds
     load_timestamp: float = 0.0  # when the worker measured this load (its heartbeat)
+    placed: int = 0  # requests this replica ever placed on it: equal costs go to the least placed
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,8 @@ class NoCapacity(Exception):
 
 
 class Placer:
-    """Chooses workers by the documented cost; stateless and deterministic (ties → address order)."""
+    """Chooses workers by the documented cost; stateless and deterministic (ties → the worker this
+    replica placed on least, then address order)."""
 
     def __init__(self, policy: PlacementPolicy | None = None) -> None:
         self.policy = policy or PlacementPolicy()
@@ -153,7 +155,7 @@ class Placer:
             cost = cost_of(c)
             if (
                 cost is not None
-                and (decode is None or cost < best or (cost == best and c.address < decode.address))
+                and (decode is None or cost < best or (cost == best and _fewer_placed(c, decode)))
                 and c.address not in exclude
             ):
                 decode, best = c, cost
@@ -171,5 +173,11 @@ class Placer:
             ):
                 return Placement(None, decode, best)  # conditional disaggregation: prefill on D
             raise NoCapacity("every prefill worker's queue is full", "prefill")
-        prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.address))
+        prefill = min(open_, key=lambda c: (self.prefill_cost(c, num_prompt_blocks), c.placed, c.address))
         return Placement(prefill, decode, best)
+
+
+def _fewer_placed(c: Candidate, other: Candidate) -> bool:
+    """Between two workers of equal cost, the one this replica placed on less often (then by address):
+    when every worker has just reported an idle load, a burst still goes round them, not to one."""
+    return (c.placed, c.address) < (other.placed, other.address)

@@ -252,6 +252,7 @@ class Decider:
             load.transfers,
             0,
             load.timestamp,
+            added,
         )
         self._candidates[r.address] = (view, added, c)
         return c

@@ -26,8 +26,9 @@ def worker(
     transfers: int = 0,
     hit: int = 0,
     role: str = "decode",
+    placed: int = 0,
 ) -> Candidate:
-    return Candidate(addr, role, total, free, running, waiting, transfers, hit)
+    return Candidate(addr, role, total, free, running, waiting, transfers, hit, placed=placed)
 
 
 def test_prefix_overlap_wins_over_a_slightly_lighter_worker() -> None:
@@ -35,6 +36,22 @@ def test_prefix_overlap_wins_over_a_slightly_lighter_worker() -> None:
     cold, warm = worker("a:1", free=90), worker("b:1", free=80, hit=8)  # warm holds 8 of 8 prompt blocks
     p = placer.place([cold, warm], [], num_prompt_tokens=8 * BS + 3, max_tokens=16, block_size=BS)
     assert p.decode.address == "b:1"
+
+
+def test_equal_costs_go_to_the_worker_placed_on_least() -> None:
+    """Every worker just reported an idle load (each heartbeat came after the last placement): the
+    burst still goes round them, not always to the first address (seen: 8 of 8 on one worker)."""
+    placer = Placer()
+    prefills = [worker("p:1", role="prefill", placed=5), worker("p:2", role="prefill", placed=4)]
+    for placed_a, placed_b, want in [(0, 0, "a:1"), (1, 0, "b:1"), (3, 4, "a:1")]:
+        p = placer.place(
+            [worker("a:1", placed=placed_a), worker("b:1", placed=placed_b)],
+            prefills,
+            num_prompt_tokens=4 * BS,
+            max_tokens=16,
+            block_size=BS,
+        )
+        assert p.decode.address == want and p.prefill is not None and p.prefill.address == "p:2"
 
 
 def test_load_wins_when_the_overlap_is_small() -> None:
