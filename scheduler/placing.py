@@ -160,17 +160,18 @@ class Decider:
         blocks_needed = -(-(len(ids) + min(request.max_tokens, block_size)) // block_size)
         if not any(v.worker_id not in request.exclude_workers for v, _ in decode_rows):
             raise Unavailable(f"no other healthy decode worker serves model {model!r}")
+        charged = (request.request_id, *request.siblings)  # a call's other choices are charged with it
         if not request.resume:
             try:
                 await self._quota.admit(
-                    tenant, request.request_id, len(ids), request.max_tokens, blocks_needed
+                    tenant, request.request_id, len(ids), request.max_tokens, blocks_needed, request.siblings
                 )
             except (asyncio.CancelledError, RedisError):
                 # Given up mid-call, or the reply lost (a timeout, a dropped connection): the charge may
                 # have landed all the same. Finish is idempotent; if Redis is down it fails too, and the
                 # charge (if any) expires with the request TTL.
                 with contextlib.suppress(RedisError):
-                    await asyncio.shield(self._quota.finish(tenant, request.request_id, len(ids), 0))
+                    await asyncio.shield(self._give_back(tenant, charged, len(ids)))
                 raise
         try:
             placement = await self._place_or_wait(
@@ -178,8 +179,10 @@ class Decider:
             )
         except BaseException:
             if not request.resume:  # nothing was served: give the quota back
-                await self._quota.finish(tenant, request.request_id, len(ids), 0)
+                await self._give_back(tenant, charged, len(ids))
             raise
+        if request.resume:  # a call's other choice: its reserved charge is its own now
+            await self._quota.claim(tenant, request.request_id)
         resp = pb.PlaceResponse(
             tenant=tenant.name,
             version=version,
@@ -192,6 +195,10 @@ class Decider:
             resp.prefill_worker = placement.prefill.address
         await self._add_shadow(resp, model, request.request_id, shadow)
         return resp
+
+    async def _give_back(self, tenant: TenantConfig, request_ids: Sequence[str], prompt_tokens: int) -> None:
+        for request_id in request_ids:
+            await self._quota.finish(tenant, request_id, prompt_tokens, 0)
 
     def _by_version(self, model: str, snapshot: list[Row]) -> dict[str, tuple[list[Row], list[Row]]]:
         """The snapshot's workers by version, as (decode rows, prefill rows): split once per registry

@@ -20,7 +20,7 @@ crash costs the tenant capacity for at most ``request_ttl_s``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -81,7 +81,8 @@ end
 """
 )
 
-# ARGV: now, id, tokens, kv_blocks, rrate, rcap, trate, tcap, max_concurrent, max_kv, ttl_s, bucket_ttl_ms
+# ARGV: now, id, tokens, kv_blocks, rrate, rcap, trate, tcap, max_concurrent, max_kv, ttl_s, bucket_ttl_ms,
+#       reservation_ttl_s, then the sibling ids (charged the same, as reservations)
 _ADMIT = (
     _LIB
     + """
@@ -96,20 +97,35 @@ if previous then
   return {'dup', tostring(redis.call('ZSCORE', KEYS[2], id)), t, b}
 end
 local r, t = levels(now, rrate, rcap, trate, tcap)
+local n = 1 + #ARGV - 13  -- this request and its siblings: one call's choices, charged together
 -- EPS: float time arithmetic may leave an exactly refilled bucket a hair short.
-if concurrent >= tonumber(ARGV[9]) or kv + blocks > tonumber(ARGV[10])
-    or r + EPS < 1 or t + EPS < tokens then
-  return {'no', tostring(concurrent), tostring(kv), num(r), num(t)}
+if concurrent + n > tonumber(ARGV[9]) or kv + n * blocks > tonumber(ARGV[10])
+    or r + EPS < 1 or t + EPS < n * tokens then
+  return {'no', tostring(concurrent + n - 1), tostring(kv), num(r), num(t)}
 end
 local expiry = now + tonumber(ARGV[11])
-store(now, math.max(0, r - 1), math.max(0, t - tokens), tonumber(ARGV[12]))
+store(now, math.max(0, r - 1), math.max(0, t - n * tokens), tonumber(ARGV[12]))
 redis.call('ZADD', KEYS[2], num(expiry), id)
 redis.call('HSET', KEYS[3], id, tokens .. ':' .. blocks)
-redis.call('INCRBY', KEYS[4], blocks)
+for i = 14, #ARGV do
+  redis.call('ZADD', KEYS[2], num(now + tonumber(ARGV[13])), ARGV[i])
+  redis.call('HSET', KEYS[3], ARGV[i], tokens .. ':' .. blocks)
+end
+redis.call('INCRBY', KEYS[4], n * blocks)
 -- Every entry expires within the TTL, so the keys may go with the latest of them.
 local ttl_ms = math.ceil(tonumber(ARGV[11]) * 1000) + 1000
 for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ttl_ms) end
 return {'ok', num(expiry)}
+"""
+)
+
+# ARGV: now, id, ttl_s. A sibling's reservation becomes a request's charge (its own Place came).
+_CLAIM = (
+    _LIB
+    + """
+local now = clock(ARGV[1])
+prune(now)
+return redis.call('ZADD', KEYS[2], 'XX', 'GT', 'CH', num(now + tonumber(ARGV[3])), ARGV[2])
 """
 )
 
@@ -189,15 +205,18 @@ class QuotaLedger:
         busy_retry_after_s: float = 1.0,
         clock: Callable[[], float] | None = None,
         pipe: RedisPipe | None = None,
+        reservation_ttl_s: float = 60.0,
     ) -> None:
-        if request_ttl_s <= 0:
-            raise ValueError("request_ttl_s must be positive")
+        if request_ttl_s <= 0 or reservation_ttl_s <= 0:
+            raise ValueError("request_ttl_s and reservation_ttl_s must be positive")
+        self.reservation_ttl_s = reservation_ttl_s
         self._prefix = prefix
         self.request_ttl_s = request_ttl_s
         self.busy_retry_after_s = busy_retry_after_s
         self._clock = clock
         self._admit = register_script(client, pipe, _ADMIT)
         self._finish = register_script(client, pipe, _FINISH)
+        self._claim = register_script(client, pipe, _CLAIM)
         self._usage = client.register_script(_USAGE)
 
     def _keys(self, tenant: str) -> list[str]:
@@ -213,23 +232,39 @@ class QuotaLedger:
         return math.ceil(tenant.burst_s * 1000) + 1000
 
     async def admit(
-        self, tenant: TenantConfig, request_id: str, prompt_tokens: int, max_tokens: int, kv_blocks: int
+        self,
+        tenant: TenantConfig,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        kv_blocks: int,
+        siblings: Sequence[str] = (),
     ) -> Admission:
         """Charge one request, ``prompt_tokens + max_tokens`` tokens and ``kv_blocks`` against the
-        tenant's limits, all or nothing. Raises `CapacityExceeded` naming every limit that refused, with
-        a retry-after; `InvalidRequest` if the request could never fit the tenant's quota."""
+        tenant's limits, all or nothing — with ``siblings`` (the other choices of the same call), the
+        same again for each of them, one concurrency slot each, before any of them runs. A sibling's
+        charge is a reservation: its own placement `claim`s it, or it lapses after
+        ``reservation_ttl_s`` (giving back its slot and blocks). Raises `CapacityExceeded` naming every
+        limit that refused, with a retry-after; `InvalidRequest` if the request could never fit the
+        tenant's quota."""
         if min(prompt_tokens, max_tokens, kv_blocks) < 0:
             raise ValueError("token and block counts must not be negative")
-        tokens = prompt_tokens + max_tokens
-        if tokens > tenant.token_burst:
+        n, tokens = 1 + len(siblings), prompt_tokens + max_tokens
+        what = "the request needs" if n == 1 else f"the request's {n} choices need"
+        if n * tokens > tenant.token_burst:
             raise InvalidRequest(
-                f"the request needs {tokens} tokens (prompt + max_tokens) but tenant {tenant.name!r} may "
+                f"{what} {n * tokens} tokens (prompt + max_tokens) but tenant {tenant.name!r} may "
                 f"spend at most {tenant.token_burst:.0f} at once; lower max_tokens"
             )
-        if kv_blocks > tenant.max_kv_blocks:
+        if n * kv_blocks > tenant.max_kv_blocks:
             raise InvalidRequest(
-                f"the request needs {kv_blocks} KV blocks but tenant {tenant.name!r} may hold at most "
+                f"{what} {n * kv_blocks} KV blocks but tenant {tenant.name!r} may hold at most "
                 f"{tenant.max_kv_blocks}; send a shorter prompt or lower max_tokens"
+            )
+        if n > tenant.max_concurrent:
+            raise InvalidRequest(
+                f"{what} {n} requests at once but tenant {tenant.name!r} may run at most "
+                f"{tenant.max_concurrent}; lower n"
             )
         reply = await self._admit(
             keys=self._keys(tenant.name),
@@ -246,6 +281,8 @@ class QuotaLedger:
                 tenant.max_kv_blocks,
                 repr(self.request_ttl_s),
                 self._bucket_ttl_ms(tenant),
+                repr(self.reservation_ttl_s),
+                *siblings,
             ],
         )
         if reply[0] == "ok":
@@ -255,7 +292,9 @@ class QuotaLedger:
                 tenant.name, request_id, int(reply[2]), int(reply[3]), float(reply[1]), already_admitted=True
             )
         concurrent, kv_used = int(reply[1]), int(reply[2])
-        raise self._refusal(tenant, tokens, kv_blocks, concurrent, kv_used, float(reply[3]), float(reply[4]))
+        raise self._refusal(
+            tenant, n * tokens, n * kv_blocks, concurrent, kv_used, float(reply[3]), float(reply[4])
+        )
 
     def _refusal(
         self,
@@ -293,6 +332,14 @@ class QuotaLedger:
             f"tenant {tenant.name!r} is over quota: {'; '.join(reasons)}; retry after {retry_after_s:.2f} s",
             retry_after_s=retry_after_s,
         )
+
+    async def claim(self, tenant: TenantConfig, request_id: str) -> bool:
+        """A sibling's reservation becomes its charge, for as long as a request's (its Place came);
+        False if it holds none (never reserved, lapsed, or not a sibling)."""
+        changed = await self._claim(
+            keys=self._keys(tenant.name), args=[self._now(), request_id, repr(self.request_ttl_s)]
+        )
+        return bool(int(changed))
 
     async def finish(
         self, tenant: TenantConfig, request_id: str, prompt_tokens: int, completion_tokens: int

@@ -61,6 +61,8 @@ class GenerationRequest:
     api: str = "grpc"  # for metrics: grpc | http
     api_key: str = ""  # the client's API key ("" = the scheduler's default tenant)
     tools: Tools | None = None  # chat: the tools to put in the prompt (services.gateway.tools)
+    siblings: tuple[str, ...] = ()  # the call's other choices: charged with this request, before any runs
+    precharged: bool = False  # a call's other choice: its quota was charged with the first one's
 
 
 def request_id_problem(request_id: str) -> str | None:

@@ -92,6 +92,12 @@ class Choices:
                         child, params=replace(child.params, seed=child.params.seed - MAX_SEED - 1)
                     )
                 self.choices.append(Choice(index, p, child, len(ids)))
+            group = self.choices[p * per_prompt :]
+            # The first choice's placement charges the tenant for all of them, before any runs.
+            others = tuple(c.request.request_id or "" for c in group[1:])
+            group[0].request = replace(group[0].request, siblings=others)
+            for c in group[1:]:
+                c.request = replace(c.request, precharged=True)
         loop = asyncio.get_running_loop()
         for p in range(len(prepared)):
             group = self.choices[p * per_prompt : (p + 1) * per_prompt]

@@ -1,20 +1,18 @@
 """`Dispatcher`: the gateway's request path, one for gRPC Session, gRPC Generate and HTTP alike.
 
-accept (request id) → validate and tokenize (`services.gateway.admission`, off the event loop) → route (the
-scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode on D,
-streaming; or Decode on D alone. A route that names a shadow worker mirrors the request there in the
-background (`services.gateway.shadow`); the primary then asks its workers for the top logprobs the comparison
-needs, and hands its client only those the client asked for. A worker that fails is left behind and the request routed again
-without it, going on from the tokens the client already has: a prefill is retried elsewhere, a failed
-KV transfer gets one fresh prefill, a decode that dies mid-stream migrates (the new worker recomputes
-the tokens already sent and streams the next ones) — each a bounded number of times. Each request runs
-in its own driver task; cancelling it (client cancel, Cancel RPC, Session cancel, disconnect, deadline,
-slow reader) cancels the worker calls at once, so the workers drop the request at their next step and
-free its blocks, and publishes the cancel on the scheduler's cancellation bus.
+accept (request id) → validate and tokenize (`services.gateway.admission`, off the event loop) → route
+(the scheduler's Place, or static) → Prefill on P → first token to the client at once → Decode on D,
+streaming; or Decode on D alone. A route naming a shadow worker mirrors the request there
+(`services.gateway.shadow`). A failed worker is left behind and the request routed again from the tokens
+the client has: a prefill retried elsewhere, a failed KV transfer prefilled afresh once, a decode that
+dies mid-stream migrated (the new worker recomputes the tokens sent) — each a bounded number of times.
+Each request runs in its own driver task; cancelling it (client cancel, Cancel RPC, Session cancel,
+disconnect, deadline, slow reader) cancels the worker calls at once, so the workers drop it at their
+next step and free its blocks, and publishes the cancel on the scheduler's cancellation bus.
 
-Metrics (`services.gateway.metrics`): every request is counted when it ends; a completed one's TTFT, end-to-end
-time and segments (its own `Timings`, so they add up to at most its end-to-end time) are observed then,
-the inter-token gaps as its tokens are handed to the client's stream.
+Metrics (`services.gateway.metrics`): every request is counted when it ends; a completed one's TTFT,
+end-to-end time and segments (its own `Timings`) are observed then, the inter-token gaps as its tokens
+are handed to the client's stream.
 """
 
 from __future__ import annotations
@@ -130,8 +128,8 @@ class Dispatcher:
         return stream
 
     async def prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams]:
-        """Validates and tokenizes a request ahead of `submit` (a call of several choices checks every
-        prompt before any runs); a request that fails here is counted as one that ended so."""
+        """Validates and tokenizes ahead of `submit` (every prompt of a call, before any runs); a failure
+        here is counted as a request that ended so."""
         try:
             return await self.validator.prepare(request)
         except ServingError as e:
@@ -186,6 +184,7 @@ class Dispatcher:
             async with asyncio.timeout(request.timeout_s):
                 prompt_ids, params = await self.validator.prepare(request)
                 job = Job(stream.request_id, prompt_ids, params, deadline, request.api_key)
+                job.siblings, job.precharged = request.siblings, request.precharged  # (choices)
                 job.client_logprobs = params.logprobs
                 self._jobs[job.request_id] = job
                 await self._execute(stream, job)
@@ -297,8 +296,9 @@ class Dispatcher:
             api_key=job.api_key,
             model=self.model.name,
             exclude=tuple(job.failed),
-            resume=job.route is not None,
+            resume=job.route is not None or job.precharged,
             timeout_s=job.remaining_s(),
+            siblings=job.siblings if job.route is None else (),
         )
         route = job.route = await self.router.route(query)
         if job.itl is None:  # the first placement names the version and tenant

@@ -25,6 +25,8 @@ class Job:
     params: SamplingParams
     deadline: float | None  # monotonic
     api_key: str = ""
+    siblings: tuple[str, ...] = ()  # an OpenAI call's other choices, charged at this one's placement
+    precharged: bool = False  # an OpenAI call's other choice: charged at the first one's placement
     dispatched_at: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0

@@ -56,6 +56,7 @@ class RouteQuery:
     exclude: tuple[str, ...] = ()  # workers that failed this request
     resume: bool = False  # a retry or migration: the quotas were charged at the first placement
     timeout_s: float | None = None
+    siblings: tuple[str, ...] = ()  # the call's other choices, charged with this request
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +320,7 @@ class SchedulerRouter:
             max_tokens=query.max_tokens,
             exclude_workers=query.exclude,
             resume=query.resume,
+            siblings=query.siblings,
         )
         timeout = self.timeout_s if query.timeout_s is None else min(self.timeout_s, query.timeout_s)
 
@@ -326,7 +328,8 @@ class SchedulerRouter:
             # Given up just after the scheduler placed it: nothing was served, give the quota back
             # (a migration's quota was charged at its first placement and ends with the request).
             if not query.resume:
-                self._report(self._finish(query.request_id, placed.tenant, 0, 0))
+                for request_id in (query.request_id, *query.siblings):
+                    self._report(self._finish(request_id, placed.tenant, 0, 0))
 
         resp: scheduler_pb2.PlaceResponse = await self._calls.call(timeout, undo=undo, place=request)
         return Route(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 
 import grpc
@@ -150,38 +150,44 @@ class GatewaySession:
         pump.add_done_callback(self._pumps.discard)
 
     async def _pump(self, stream: RequestStream) -> None:
-        rid = stream.request_id
-        try:
+        async def events() -> AsyncIterator[tuple[int, Delta | Finished]]:
             async for event in stream:
-                if isinstance(event, Delta):
-                    await self._outbox.put(
-                        gateway_pb2.SessionResponse(request_id=rid, delta=delta_to_pb(event))
-                    )
-                else:
-                    await self._outbox.put(
-                        gateway_pb2.SessionResponse(request_id=rid, completion=completion_to_pb(event))
-                    )
-        except ServingError as e:
-            await self._send_error(rid, e)
-        except Exception as e:  # a bug must not take the other requests of the session down
-            await self._send_error(rid, as_serving_error(e))
-        finally:
-            self._streams.pop(rid, None)
-            if not self._closed:
-                await self._end_if_idle()
+                yield 0, event
+
+        async def done() -> None:
+            self._streams.pop(stream.request_id, None)
+
+        await self._forward(stream.request_id, events(), done)
 
     async def _pump_choices(self, rid: str, call: Choices) -> None:
-        try:
+        async def events() -> AsyncIterator[tuple[int, Delta | Finished]]:
             async for choice, event in call.events():
-                msg = gateway_pb2.SessionResponse(request_id=rid, index=choice.index, **event_fields(event))
-                await self._outbox.put(msg)
+                yield choice.index, event
+
+        async def done() -> None:
+            self._calls.pop(rid, None)
+            await call.close("failed")  # a no-op for the choices that ended
+
+        await self._forward(rid, events(), done)
+
+    async def _forward(
+        self,
+        rid: str,
+        events: AsyncIterator[tuple[int, Delta | Finished]],
+        done: Callable[[], Awaitable[None]],
+    ) -> None:
+        """One request's events into the outbox, each with its choice's index; its error as its own."""
+        try:
+            async for index, event in events:
+                await self._outbox.put(
+                    gateway_pb2.SessionResponse(request_id=rid, index=index, **event_fields(event))
+                )
         except ServingError as e:
             await self._send_error(rid, e)
         except Exception as e:  # a bug must not take the other requests of the session down
             await self._send_error(rid, as_serving_error(e))
         finally:
-            self._calls.pop(rid, None)
-            await call.close("failed")  # a no-op for the choices that ended
+            await done()
             if not self._closed:
                 await self._end_if_idle()
 

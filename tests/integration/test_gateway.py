@@ -56,6 +56,7 @@ LONG = 400  # tokens of a request that is still running when it is cancelled
 MAX_REQUEST_BYTES = 64 << 10
 API_KEY = "sk-test-default"  # a key of the scheduler's default tenant (the static gateways ignore keys)
 TINY_KEY = "sk-test-tiny"  # a tenant allowed one request at a time
+PAIR_KEY = "sk-test-pair"  # a tenant allowed two
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,9 @@ def scheduler(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     ):
         c.add_workers(tiny_llama, "prefill", "decode", kv_transport=None)
         add_tenants(
-            redis.url, [TenantConfig("tiny", max_concurrent=1)], {API_KEY: "default", TINY_KEY: "tiny"}
+            redis.url,
+            [TenantConfig("tiny", max_concurrent=1), TenantConfig("pair", max_concurrent=2)],
+            {API_KEY: "default", TINY_KEY: "tiny", PAIR_KEY: "pair"},
         )
         yield c.scheduler
 
@@ -949,3 +952,30 @@ def test_grpc_generate_and_session_stream_n_choices_by_index(
     assert ends[("s-plain", 0)] in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     for worker in (workers["prefill"], workers["decode"]):
         worker.wait_all_free()
+
+
+def test_a_calls_choices_are_charged_before_any_runs(scheduled: GatewayThread) -> None:
+    """The quota of n choices is charged at the first one's placement, before any token: a tenant
+    allowed one request at a time cannot start n=2 (a 400 that says so, nothing run); one allowed two
+    runs n=2, and while it runs has no slot left — even before its second choice started."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "n": 2}
+    status, _, out = http_json(scheduled, "/v1/completions", body, headers={"x-api-key": TINY_KEY})
+    assert (
+        status == 400 and "2 requests at once but tenant 'tiny' may run at most 1" in out["error"]["message"]
+    )
+    status, _, out = http_json(scheduled, "/v1/completions", body, headers={"x-api-key": PAIR_KEY})
+    assert status == 200 and len(out["choices"]) == 2, out
+
+    held = {**body, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    conn, events = sse_events(scheduled, "/v1/completions", held, headers={"x-api-key": PAIR_KEY})
+    next(events)  # the first choice runs; both slots are the call's
+    single = {"prompt": PROMPTS[0], "max_tokens": 2}
+    status, _, out = http_json(scheduled, "/v1/completions", single, headers={"x-api-key": PAIR_KEY})
+    assert status == 429, out
+    conn.close()  # the call ends: its choices' slots come back
+    eventually(
+        lambda: http_json(scheduled, "/v1/completions", single, headers={"x-api-key": PAIR_KEY})[0] == 200,
+        10,
+        "the call's slots given back",
+        interval_s=0.05,
+    )

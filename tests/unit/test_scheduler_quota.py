@@ -226,3 +226,33 @@ def test_concurrent_admits_never_exceed_max_concurrent(url: str, ledger: Callabl
             await other.aclose()
 
     run(url, body)
+
+
+def test_a_calls_choices_are_charged_together_before_any_runs(
+    url: str, ledger: Callable[..., QuotaLedger]
+) -> None:
+    """An OpenAI call of n choices: the first choice's admission charges all n — a slot, the tokens and
+    the blocks each — or none; the others' reservations are claimed by their own placements, or lapse."""
+
+    async def body(r: aioredis.Redis) -> None:
+        clock = Clock()
+        q = ledger(r, clock=clock, reservation_ttl_s=30.0)
+        t = tenant(max_concurrent=4, max_kv_blocks=20, tokens_per_s=1000.0)
+        adm = await q.admit(t, "c-0", 100, 100, 2, siblings=("c-1", "c-2"))
+        assert adm.tokens_charged == 200
+        u = await q.usage(t)
+        assert (u.concurrent, u.kv_blocks) == (3, 6) and u.tokens_available == pytest.approx(400.0)
+        with pytest.raises(CapacityExceeded, match=r"max_concurrent=4"):  # 3 + 2 > 4: all or nothing
+            await q.admit(t, "d-0", 1, 1, 1, siblings=("d-1",))
+        assert (await q.usage(t)).concurrent == 3
+        with pytest.raises(InvalidRequest, match=r"the request's 5 choices need 5 requests at once"):
+            await q.admit(t, "e-0", 1, 1, 1, siblings=("e-1", "e-2", "e-3", "e-4"))
+        assert await q.claim(t, "c-1")  # its own placement came
+        clock.now += 31  # c-2's never did: its reservation lapses, giving back its slot and blocks
+        assert ((u := await q.usage(t)).concurrent, u.kv_blocks) == (2, 4)
+        assert not await q.claim(t, "c-2")
+        assert await q.finish(t, "c-1", 100, 40) == 60  # a claimed choice ends like any request
+        assert await q.finish(t, "c-0", 100, 100) == 0
+        assert (await q.usage(t)).concurrent == 0
+
+    run(url, body)
