@@ -79,7 +79,8 @@ class Choices:
             for j in range(per_prompt):
                 index = p * per_prompt + j
                 child = GenerationRequest(
-                    params=replace(params, seed=(params.seed or 0) + j) if j else params,
+                    # seed + j, wrapped into the seed range (prepare always sets a seed)
+                    params=replace(params, seed=((params.seed or 0) + j) % (MAX_SEED + 1)),
                     prompt_token_ids=tuple(ids),
                     request_id=self.id if single else f"{self.id}-{index}",
                     model=request.model,
@@ -87,10 +88,6 @@ class Choices:
                     api=request.api,
                     api_key=self.api_key,
                 )
-                if j and child.params.seed is not None and child.params.seed > MAX_SEED:
-                    child = replace(
-                        child, params=replace(child.params, seed=child.params.seed - MAX_SEED - 1)
-                    )
                 self.choices.append(Choice(index, p, child, len(ids)))
             group = self.choices[p * per_prompt :]
             # The first choice's placement charges the tenant for all of them, before any runs.
