@@ -14,6 +14,7 @@ from baton.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from core.errors import InvalidRequest, KVIncompatible, KVTransferFailed, ServingError
 from decode_worker.handoff import DecodeHandoff
 from rpc.convert import FINISH_TO_PB, delta_to_pb, handle_from_pb, sampling_from_pb
+from rpc.tls import channel
 from services.worker.shell import WorkerShell, outcome
 
 METADATA_TIMEOUT_S = 5.0
@@ -147,8 +148,8 @@ class DecodeRPC:
 
     async def _fetch_peer(self, source: str) -> None:
         try:
-            async with grpc.aio.insecure_channel(source) as channel:
-                meta = await worker_pb2_grpc.WorkerStub(channel).TransferMetadata(
+            async with channel(source, self.shell.tls) as peer:
+                meta = await worker_pb2_grpc.WorkerStub(peer).TransferMetadata(
                     worker_pb2.TransferMetadataRequest(), timeout=METADATA_TIMEOUT_S
                 )
         except grpc.aio.AioRpcError as e:

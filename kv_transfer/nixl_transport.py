@@ -15,6 +15,7 @@ import torch
 from core.errors import KVTransferFailed
 from kv_transfer.handle import KVLayout, block_runs, check_block_ids
 from kv_transfer.transport import (
+    LeaseGrants,
     PeerHeader,
     decode_notification,
     encode_notification,
@@ -83,6 +84,8 @@ class NixlTransport:
         os.environ.setdefault("UCX_TLS", "tcp,cma,sm,self")
         from nixl._api import nixl_agent, nixl_agent_config
 
+        self.grants = LeaseGrants()  # not checked here: the source serves no pull itself
+        self.refused = 0
         self.name = name
         self.layout = layout
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

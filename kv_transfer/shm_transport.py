@@ -22,6 +22,7 @@ import torch
 from core.errors import KVTransferFailed
 from kv_transfer.handle import KVLayout, block_runs, check_block_ids
 from kv_transfer.transport import (
+    LeaseGrants,
     PeerHeader,
     ThreadPull,
     decode_notification,
@@ -61,6 +62,8 @@ class ShmTransport:
     """Serves this worker's cache as a shared-memory file; pulls peers' blocks from theirs."""
 
     def __init__(self, name: str, layout: KVLayout, directory: Path = SHM_DIR) -> None:
+        self.grants = LeaseGrants()  # not checked here: the source serves no pull itself
+        self.refused = 0
         self.name = name
         self.layout = layout
         sweep_stale_files(directory)

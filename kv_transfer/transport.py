@@ -16,7 +16,7 @@ import json
 import logging
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -95,11 +95,45 @@ class ThreadPull:
         return self._done.is_set()
 
 
+class LeaseGrants:
+    """The blocks each live lease of a source may hand out, for a backend that serves pulls itself
+    (tcp): a pull names its lease and may read only that lease's blocks, so a peer that learned a
+    source's credential still cannot read another request's KV. Written from the engine thread (the
+    prefill handoff grants at pin time and revokes at release, abort or expiry), read from the
+    serving threads."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, frozenset[int]] = {}
+        self._lock = threading.Lock()
+
+    def grant(self, lease_id: str, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._blocks[lease_id] = frozenset(block_ids)
+
+    def revoke(self, lease_id: str) -> None:
+        with self._lock:
+            self._blocks.pop(lease_id, None)
+
+    def allows(self, lease_id: str, block_ids: Iterable[int]) -> bool:
+        """Every one of ``block_ids`` belongs to the live lease ``lease_id``."""
+        with self._lock:
+            owned = self._blocks.get(lease_id)
+        return owned is not None and all(b in owned for b in block_ids)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
 class KVTransport(Protocol):
-    """One worker's end of KV transfer; ``metadata()`` is what its peers need to pull from it."""
+    """One worker's end of KV transfer; ``metadata()`` is what its peers need to pull from it.
+    ``grants`` holds the blocks of its live leases (the backends that serve pulls themselves check
+    them); ``refused`` counts connections refused for a missing or wrong credential or a malformed
+    or out-of-lease frame."""
 
     name: str
     layout: KVLayout
+    grants: LeaseGrants
+    refused: int
 
     def register(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Registers the cache once at start-up; returns the tensor the cache must live in from now
@@ -132,6 +166,7 @@ class PeerHeader:
     base: int  # address of block 0 (nixl) or 0
     num_blocks: int
     address: str = ""  # host:port (tcp), or the shared-memory file and notification socket (shm)
+    credential: str = ""  # what a puller must show the source (tcp); travels only in this metadata
 
 
 def pack_metadata(header: PeerHeader, blob: bytes = b"") -> bytes:

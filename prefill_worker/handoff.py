@@ -78,10 +78,12 @@ class PrefillHandoff:
         expires_at = time.time() + self.lease_ttl_s
         self.leases[p.lease_id] = expires_at
         self._lease_of[request_id] = p.lease_id
+        block_ids = tuple(self.engine.pinned_blocks(p.lease_id))
+        self.transport.grants.grant(p.lease_id, block_ids)  # a pull of this lease may read these only
         return KVHandle(
             source=self.transport.name,
             lease_id=p.lease_id,
-            block_ids=tuple(self.engine.pinned_blocks(p.lease_id)),
+            block_ids=block_ids,
             num_tokens=p.num_prompt_tokens,
             block_size=self.engine.kv.block_size,
             compat_hash=self.transport.layout.compat_hash,
@@ -118,7 +120,7 @@ class PrefillHandoff:
             return True
         lease_id = self._lease_of.pop(request_id, None)
         if lease_id is not None and self.leases.pop(lease_id, None) is not None:
-            self.engine.unpin_lease(lease_id)
+            self._unpin(lease_id)
             self.num_aborted += 1
             return True
         return False
@@ -130,25 +132,30 @@ class PrefillHandoff:
         lease_ids = list(self.leases)
         for lease_id in lease_ids:
             del self.leases[lease_id]
-            self.engine.unpin_lease(lease_id)
+            self._unpin(lease_id)
             self.num_aborted += 1
             log.warning("lease %s given up: this worker is shutting down", lease_id)
         self._lease_of.clear()
         return len(lease_ids)
+
+    def _unpin(self, lease_id: str) -> int:
+        """Ends a held lease: no pull may read its blocks any more, and they are freed (their count)."""
+        self.transport.grants.revoke(lease_id)
+        return int(self.engine.unpin_lease(lease_id))
 
     def service(self, now: float | None = None) -> int:
         """Applies peers' releases/aborts and expires overdue leases; returns how many blocks it freed."""
         freed = 0
         for kind, lease_id in self.transport.poll_notifications():
             if self.leases.pop(lease_id, None) is not None:
-                freed += self.engine.unpin_lease(lease_id)
+                freed += self._unpin(lease_id)
                 self.num_released += 1
                 log.info("lease %s %sd by the decode worker", lease_id, kind)
         now = time.time() if now is None else now
         for lease_id, expires_at in list(self.leases.items()):
             if now >= expires_at:
                 del self.leases[lease_id]
-                freed += self.engine.unpin_lease(lease_id)
+                freed += self._unpin(lease_id)
                 self.num_expired += 1
                 log.warning("lease %s expired before its blocks were pulled; freed them", lease_id)
         if len(self._lease_of) > len(self.leases):

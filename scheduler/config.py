@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rpc.flags import metrics_port_field
 from rpc.metrics import DEFAULT_MAX_TENANTS
+from rpc.tls import TlsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +43,18 @@ class ClusterSchedulerConfig:
             "help": "unknown API keys use the default tenant (a local cluster; OpenAI clients always send one)"
         },
     )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "a file of 'TENANT SHA256-OF-KEY' lines: API keys this replica keeps in Redis (added "
+            "again if Redis loses them), e.g. from a Kubernetes Secret; keys are never written in clear"
+        },
+    )
     local_prefill_threshold: int = field(
         default=32,
         metadata={"help": "prompts shorter than this many tokens are prefilled on the decode worker"},
     )
+    tls: TlsConfig = TlsConfig()  # mutual TLS on its port and on its calls to workers
     # Admission limits: see scheduler.placement.
     max_prefill_queue: int = field(
         default=1,

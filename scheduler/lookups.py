@@ -10,7 +10,7 @@ import time
 from core.errors import InvalidRequest, ModelNotFound, Unauthenticated, Unavailable
 from scheduler.config import ClusterSchedulerConfig
 from scheduler.snapshot import TTLCache
-from scheduler.tenants import TenantConfig, TenantDirectory
+from scheduler.tenants import TenantConfig, TenantDirectory, read_key_digests
 from scheduler.versions import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class Lookups:
     ) -> None:
         self._config = config
         self._tenants = tenants
+        self._key_digests = read_key_digests(config.api_keys_file) if config.api_keys_file else {}
         self._catalog = catalog
         self._tenant_cache: TTLCache[str, TenantConfig] = TTLCache(1.0)  # API key → its tenant
         self._tenant_names: TTLCache[str, TenantConfig] = TTLCache(1.0)  # name → config, for Finish
@@ -57,8 +58,10 @@ class Lookups:
         return self._tenant_names.put(name, tenant) if tenant is not None else None
 
     async def ensure_default_tenant(self) -> None:
-        """The default tenant is configuration, not state: recreate it if Redis lost it (a restart
-        without persistence), so anonymous requests work again without an operator."""
+        """The default tenant and the keys file are configuration, not state: recreate them if Redis
+        lost them (a restart without persistence), so requests work again without an operator."""
+        if await self._tenants.ensure_key_digests(self._key_digests):
+            log.info("API keys of %s (re)added", self._config.api_keys_file)
         name = self._config.default_tenant
         if name and await self._tenants.get_tenant(name) is None:
             # Anonymous traffic of a single-team cluster: limited by capacity, not by a quota.

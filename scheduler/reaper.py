@@ -11,6 +11,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from baton.v1 import worker_pb2, worker_pb2_grpc
+from rpc.tls import channel
 from scheduler.config import ClusterSchedulerConfig
 from scheduler.leases import LeaseLedger
 from scheduler.lookups import Lookups
@@ -36,6 +37,7 @@ class Reaper:
         self._decider = decider
         self._leases = leases
         self._registry = registry
+        self._tls = config.tls.load()
 
     async def reap_forever(self) -> None:
         """Expires overdue leases (each exactly once across replicas) and tells the prefill worker to
@@ -56,8 +58,8 @@ class Reaper:
     async def free_on_worker(self, address: str, request_id: str) -> None:
         """Asks a prefill worker to free an expired lease's blocks (`Worker.Abort`)."""
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                await worker_pb2_grpc.WorkerStub(channel).Abort(
+            async with channel(address, self._tls) as worker:
+                await worker_pb2_grpc.WorkerStub(worker).Abort(
                     worker_pb2.AbortRequest(request_id=request_id), timeout=2.0
                 )
         except grpc.aio.AioRpcError as e:  # a dead worker's blocks died with it

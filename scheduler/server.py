@@ -22,6 +22,7 @@ from rpc.flags import add_flags, config_from_args
 from rpc.metrics import Forward, MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
+from rpc.tls import add_port
 from scheduler import metrics
 from scheduler.config import SchedulerProcessConfig
 from scheduler.leases import LeaseState
@@ -112,7 +113,7 @@ async def serve_scheduler(
     servicer = SchedulerServicer(config, client, pipe)
     await servicer.ensure_default_tenant()
     server = grpc.aio.server()
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls.load())  # mutual TLS if configured
     add_servicer(
         servicer, server, pb.DESCRIPTOR.services_by_name["Scheduler"]
     )  # malformed → INVALID_ARGUMENT

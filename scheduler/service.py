@@ -220,6 +220,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         return await self.rollout.set_rollout(request)
 
     # ------------------------------------------------------------------ tenants
+    @_redis_errors_unavailable
+    async def Authenticate(
+        self, request: pb.AuthenticateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AuthenticateResponse:
+        """The tenant of a key as Place resolves it (cached 1 s, so a gateway's checks rarely read Redis)."""
+        return pb.AuthenticateResponse(tenant=(await self.lookups.tenant(request.api_key)).name)
+
     async def ensure_default_tenant(self) -> None:
         """Recreates the default tenant if Redis lost it (`scheduler.lookups.Lookups.ensure_default_tenant`)."""
         await self.lookups.ensure_default_tenant()

@@ -105,6 +105,25 @@ def cache_salt(tenant: TenantConfig, model_version: str) -> str:
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def read_key_digests(path: str) -> dict[str, str]:
+    """A keys file: one ``TENANT SHA256-HEX`` line per API key (``#`` comments and blank lines allowed);
+    returns digest → tenant. A malformed line is an error naming its number (never its content)."""
+    digests: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            parts = text.split()
+            if len(parts) != 2 or not _NAME.fullmatch(parts[0]) or not _DIGEST.fullmatch(parts[1].lower()):
+                raise ValueError(f"{path}:{number}: expected 'TENANT SHA256-HEX-OF-KEY'")
+            digests[parts[1].lower()] = parts[0]
+    return digests
+
+
 # Resolve in one round trip: key digest → tenant name → tenant config.
 _RESOLVE = """
 local name = redis.call('HGET', KEYS[1], ARGV[1])
@@ -164,6 +183,17 @@ class TenantDirectory:
         if await self.get_tenant(tenant) is None:
             raise ValueError(f"no tenant named {tenant!r}; add the tenant before its keys")
         await self._client.hset(self._keys_key, api_key_digest(api_key), tenant)
+
+    async def ensure_key_digests(self, digests: dict[str, str]) -> int:
+        """Maps each SHA-256 key digest to its tenant where Redis lacks the mapping (configured keys,
+        `read_key_digests`); returns how many were added."""
+        if not digests:
+            return 0
+        have = await self._client.hmget(self._keys_key, list(digests))
+        missing = {d: t for (d, t), held in zip(digests.items(), have, strict=True) if held is None}
+        for digest, tenant in missing.items():  # rare: a fresh or emptied Redis
+            await self._client.hset(self._keys_key, digest, tenant)
+        return len(missing)
 
     async def revoke_api_key(self, api_key: str) -> bool:
         """False if the key was not known."""

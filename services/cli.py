@@ -62,13 +62,19 @@ def _add_health_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("address", help="host:port of its gRPC port")
     p.add_argument("--service", default="", help="the service to ask about (default: the whole server)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    p.add_argument(
+        "--tls-dir", default=None, help="ask over mutual TLS with this tls.crt, tls.key and ca.crt"
+    )
+    p.add_argument("--tls-server-name", default=None, help="the name the server's certificate has")
     p.set_defaults(func=_run_health)
 
 
 def _run_health(args: argparse.Namespace) -> int:
+    from rpc.tls import TlsConfig
     from services.supervisor import health_status
 
-    status = health_status(args.address, args.service, args.timeout)
+    tls = TlsConfig(args.tls_dir, args.tls_server_name).load()
+    status = health_status(args.address, args.service, args.timeout, tls)
     print(status)
     return 0 if status == "SERVING" else 1
 

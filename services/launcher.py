@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from engine.config import EngineConfig
 from rpc.flags import add_flags, config_from_args, field_like, to_argv
 from scheduler.config import ClusterSchedulerConfig, SchedulerProcessConfig
 from services.gateway.server import GatewayConfig
+from services.local_security import LocalSecurity
 from services.supervisor import Child, NotHealthyYet, Supervisor, free_port, is_serving, redis_ping
 from services.worker.config import WORKER_ENGINE, WorkerConfig
 
@@ -106,6 +108,16 @@ class UpConfig:
     log_dir: str | None = field(
         default=None, metadata={"help": "where each process writes its log (default: a temp dir)"}
     )
+    tls: bool = field(
+        default=False,
+        metadata={
+            "help": "a development CA in the log dir: HTTPS and TLS gRPC on the gateway, mutual TLS "
+            "between every process"
+        },
+    )
+    require_api_key: bool = field(
+        default=False, metadata={"help": "every route but health needs an API key; one is made and printed"}
+    )
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1:
@@ -130,6 +142,7 @@ class WorkerFactory:
     config: WorkerConfig  # every worker's settings but its role and ports
     log_dir: Path
     colocated: bool = False
+    probe: Callable[[str], bool] | None = None  # its health check (default: plaintext gRPC health)
 
     def role(self, pool: str) -> str:
         return "both" if self.colocated else pool
@@ -151,12 +164,13 @@ class WorkerFactory:
             f"{host}:{port}",
             self.log_dir / f"{log_name}.log",
             pool=pool,
+            probe=self.probe,
         )
         return child, f"{host}:{metrics_port}"
 
 
 def build_cluster(
-    up: UpConfig, log_dir: Path, verbose: bool = False
+    up: UpConfig, log_dir: Path, verbose: bool = False, security: LocalSecurity | None = None
 ) -> tuple[Supervisor, dict[str, str], WorkerFactory]:
     """The processes of the local cluster; returns them, the endpoints to print, and how to start more
     workers. Each child's command line is `to_argv` of the config built for it here, so it is checked
@@ -172,8 +186,14 @@ def build_cluster(
         quantization=up.quantization,
         num_threads=up.threads or None,
     )
+    if security is None:
+        security = LocalSecurity.prepare(log_dir, host, up.tls, up.require_api_key)
     worker = WorkerConfig(
-        host=host, kv_transport=up.kv_transport, engine=engine, drain_timeout_s=up.drain_timeout_s
+        host=host,
+        kv_transport=up.kv_transport,
+        engine=engine,
+        drain_timeout_s=up.drain_timeout_s,
+        tls=security.config,
     )
     cluster = Supervisor(state_path=log_dir / "processes.json")
     scheduler = redis_url = ""
@@ -201,16 +221,25 @@ def build_cluster(
             redis_url=redis_url,
             host=host,
             port=scheduler_port,
-            accept_any_key=True,
+            accept_any_key=not up.require_api_key,
+            api_keys_file=security.keys_file,
+            tls=security.config,
             max_prefill_queue=up.max_prefill_queue,
             max_decode_queue=up.max_decode_queue,
         )
         argv = to_argv(SchedulerProcessConfig(replica, metrics_port=metrics_port))
         cluster.children.append(
-            Child("scheduler", [*baton, "scheduler", *argv], scheduler, log_dir / "scheduler.log", phase=1)
+            Child(
+                "scheduler",
+                [*baton, "scheduler", *argv],
+                scheduler,
+                log_dir / "scheduler.log",
+                phase=1,
+                probe=security.probe,
+            )
         )
         worker = replace(worker, scheduler=scheduler, redis_url=redis_url)
-    factory = WorkerFactory(tuple(baton), worker, log_dir, up.colocated)
+    factory = WorkerFactory(tuple(baton), worker, log_dir, up.colocated, security.probe)
     pools = (
         [("decode", up.decode_workers)]
         if up.colocated
@@ -241,6 +270,10 @@ def build_cluster(
         decode_workers=decode,
         prefill_workers=prefill,
         drain_timeout_s=up.drain_timeout_s,
+        tls=security.config,
+        require_api_key=up.require_api_key,
+        # Prometheus scrapes in plaintext and without a key on a port of its own when the API has either.
+        metrics_port=free_port(host) if up.tls or up.require_api_key else None,
     )
     cluster.children.append(
         Child(
@@ -249,10 +282,12 @@ def build_cluster(
             f"{host}:{grpc_port}",
             log_dir / "gateway.log",
             phase=3,
+            probe=security.probe,
         )
     )
-    metrics["gateway"] = f"{host}:{http_port}"
-    endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"http://{host}:{http_port}", **addresses}
+    metrics["gateway"] = f"{host}:{gateway.metrics_port or http_port}"
+    scheme = "https" if up.tls else "http"
+    endpoints = {"grpc": f"{host}:{grpc_port}", "http": f"{scheme}://{host}:{http_port}", **addresses}
     if scheduler:
         endpoints["scheduler"] = scheduler
         endpoints["redis"] = redis_url
@@ -286,7 +321,7 @@ def prepare_model(model: str | None) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
+def banner(endpoints: dict[str, str], model_name: str, log_dir: Path, security: LocalSecurity) -> str:
     http = endpoints["http"]
     workers = ", ".join(
         f"{k} {v}" for k, v in endpoints.items() if k.split("_")[0] in ("prefill", "decode", "both")
@@ -301,10 +336,15 @@ def banner(endpoints: dict[str, str], model_name: str, log_dir: Path) -> str:
         if "metrics:autoscaler" in endpoints
         else ""
     )
+    secured = ""
+    if security.ca_file:
+        secured += f"\n  TLS         : CA {security.ca_file} (development CA; mutual TLS inside the cluster)"
+    if security.api_key:
+        secured += f"\n  API key     : {security.api_key}   (tenant default; also in {log_dir / 'api-key'})"
     return f"""
 Baton is up — model {model_name}
-  OpenAI HTTP : {http}/v1   (health {http}/health, metrics {http}/metrics)
-  gRPC        : {endpoints["grpc"]}   (baton.v1.Gateway; reflection on)
+  OpenAI HTTP : {http}/v1   (health {http}/health)
+  gRPC        : {endpoints["grpc"]}   (baton.v1.Gateway; reflection on){secured}
   workers     : {workers}
   scheduler   : {endpoints.get("scheduler", "none (static placement)")}
   redis       : {endpoints.get("redis", "none")}
@@ -313,7 +353,7 @@ Baton is up — model {model_name}
   logs        : {log_dir}
 
 Try it:
-  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -s{security.curl_flags()} {http}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Which city is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
 A process that dies is started again, the rest serving on.{autoscaling}
@@ -321,14 +361,16 @@ Press Ctrl-C to stop everything.
 """.rstrip()
 
 
-def wait_serving(http: str, deadline: float, stop: Callable[[], bool]) -> bool:
+def wait_serving(
+    http: str, deadline: float, stop: Callable[[], bool], context: ssl.SSLContext | None = None
+) -> bool:
     """Polls ``http``/health until it answers 200 (True), the deadline passes or ``stop()`` (False)."""
     import urllib.error
     import urllib.request
 
     while not stop() and time.monotonic() < deadline:
         with contextlib.suppress(urllib.error.URLError, OSError):  # 503 or not listening yet: ask again
-            with urllib.request.urlopen(f"{http}/health", timeout=2) as resp:
+            with urllib.request.urlopen(f"{http}/health", timeout=2, context=context) as resp:
                 if resp.status == 200:
                     return True
         time.sleep(0.1)
@@ -341,7 +383,8 @@ def run_up(args: argparse.Namespace) -> int:
     up = replace(up, model=model_dir)
     log_dir = Path(up.log_dir or tempfile.mkdtemp(prefix="baton-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster, endpoints, factory = build_cluster(up, log_dir, args.verbose)
+    security = LocalSecurity.prepare(log_dir, up.host, up.tls, up.require_api_key)
+    cluster, endpoints, factory = build_cluster(up, log_dir, args.verbose, security)
     if up.autoscale:
         endpoints["metrics:autoscaler"] = f"{up.host}:{free_port(up.host)}"
     (log_dir / "prometheus.yml").write_text(prometheus_config(endpoints))
@@ -371,7 +414,7 @@ def run_up(args: argparse.Namespace) -> int:
                 return 130
         # Healthy processes are not yet a cluster that places: the workers' registrations must reach
         # the scheduler first. The gateway's /health says so (200 once a scheduler has its workers).
-        if not wait_serving(endpoints["http"], deadline, lambda: stopping):
+        if not wait_serving(endpoints["http"], deadline, lambda: stopping, security.client_context()):
             if stopping:
                 return 130
             print(
@@ -381,7 +424,7 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         if up.autoscale:
             start_autoscaler(up, cluster, factory, endpoints, log_dir, autoscaling)
-        print(banner(endpoints, Path(model_dir).name, log_dir), flush=True)
+        print(banner(endpoints, Path(model_dir).name, log_dir, security), flush=True)
         while not stopping:  # as Kubernetes would: a child that dies is started again, the rest serve on
             for event in cluster.supervise():
                 print(f"baton up: {event}", file=sys.stderr, flush=True)

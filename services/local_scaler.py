@@ -10,7 +10,7 @@ import logging
 
 from autoscaler.scaling import POOLS, PoolState, ScalerError
 from services.launcher import WorkerFactory
-from services.supervisor import Child, Supervisor, is_serving
+from services.supervisor import Child, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class LocalScaler:
     def state(self, pool: str) -> PoolState:
         self._check(pool)
         members = self._members(pool)
-        ready = sum(1 for c in members if c.restart_at is None and is_serving(c.health_address))
+        ready = sum(1 for c in members if c.restart_at is None and c.healthy())
         return PoolState(desired=len(members), ready=ready, pending=len(members) - ready)
 
     def scale(self, pool: str, replicas: int) -> None:

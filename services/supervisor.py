@@ -24,6 +24,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rpc.tls import Tls, sync_channel
+
 BACKOFF_S = 0.5  # before the first restart of a child that died
 MAX_BACKOFF_S = 10.0
 STABLE_S = 60.0  # a child that ran this long before it died starts again at BACKOFF_S
@@ -44,11 +46,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> str:
+def health_status(address: str, service: str = "", timeout_s: float = 1.0, tls: Tls | None = None) -> str:
     """The gRPC health status a process at ``address`` answers (SERVING, NOT_SERVING, …), or UNREACHABLE
-    with the reason when it does not answer."""
+    with the reason when it does not answer; over mutual TLS with ``tls``."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address, tls) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
@@ -57,8 +59,8 @@ def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> st
         return f"UNREACHABLE ({e.code().name})"
 
 
-def is_serving(address: str) -> bool:
-    return health_status(address) == "SERVING"
+def is_serving(address: str, tls: Tls | None = None) -> bool:
+    return health_status(address, tls=tls) == "SERVING"
 
 
 def redis_ping(address: str) -> bool:

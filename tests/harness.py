@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -54,6 +55,7 @@ from baton.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from rpc.tls import Tls, sync_channel
 from services.gateway.server import GatewayConfig, GatewayServer, serve_gateway
 
 if TYPE_CHECKING:
@@ -215,6 +217,8 @@ class ServiceProcess:
         self.name = name
         self.log_path = log_dir / f"{name}-{next(self._count)}.log"
         self._args = args
+        # Started with --tls-dir: the test talks to it over mutual TLS with the same certificate.
+        self.tls = Tls.load(args[args.index("--tls-dir") + 1]) if "--tls-dir" in args else None
         self._log = self.log_path.open("w")
         self.proc = self._launch()
         self.address = ""
@@ -249,6 +253,10 @@ class ServiceProcess:
             else:
                 assert time.monotonic() < deadline, f"{self.name} did not start: {self.log_path.read_text()}"
                 time.sleep(0.1)
+
+    def channel(self) -> grpc.Channel:
+        """A channel to its gRPC port, as its peers open one (mutual TLS if it was given --tls-dir)."""
+        return sync_channel(self.address, self.tls)
 
     def kill(self) -> None:
         """SIGKILL: no goodbye to the scheduler, connections simply break."""
@@ -306,7 +314,7 @@ class WorkerProcess(ServiceProcess):
 
     def wait_ready(self, deadline: float) -> None:
         self.wait_address(deadline)
-        self.stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(self.address))
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel())
         self.info()
 
     def info(self) -> worker_pb2.InfoResponse:
@@ -366,7 +374,7 @@ class SchedulerProcess(ServiceProcess):
 
     def wait_ready(self, deadline: float) -> None:
         self.wait_address(deadline)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(self.address))
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel())
 
     def num_workers(self) -> int:
         """Healthy workers of every model version, as placement sees them."""
@@ -383,7 +391,8 @@ class GatewayThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
         self.thread.start()
         self.server: GatewayServer = self._call(serve_gateway(config), 120)
-        self.channel = grpc.insecure_channel(self.server.grpc_address)
+        self.tls = config.tls.load()
+        self.channel = sync_channel(self.server.grpc_address, self.tls)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.url = self.server.http_url
         self.model = self.server.dispatcher.model.name
@@ -689,8 +698,10 @@ def http_json(
         method=method,
         headers={"Content-Type": "application/json", **(headers or {})},
     )
+    tls: Tls | None = getattr(gw, "tls", None)
+    context = ssl.create_default_context(cadata=tls.ca.decode()) if tls else None
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=60, context=context) as r:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())

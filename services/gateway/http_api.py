@@ -13,14 +13,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from core.errors import CapacityExceeded, InvalidRequest, ServingError
+from core.errors import CapacityExceeded, InvalidRequest, ServingError, Unauthenticated
 from rpc.errors import as_serving_error
 from services.gateway import metrics
+from services.gateway.auth import KeyCheck, api_key, http_middleware
 from services.gateway.choices import Choice, Choices
 from services.gateway.dispatch import Dispatcher
 from services.gateway.openai_api import OpenAICall, parse_chat, parse_completion
@@ -46,19 +47,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HealthCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]  # (serving, details for the body)
 
 
-def api_key(headers: Mapping[str, str]) -> str:
-    """The client's API key: ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` ("" = none)."""
-    auth = headers.get("Authorization", "").strip()
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return headers.get("x-api-key", "").strip()
-
-
 def error_response(
     error: ServingError, status: int | None = None, request_id: str | None = None
 ) -> web.Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
     if isinstance(error, CapacityExceeded):
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     return web.json_response(error_json(error), status=status or error.http_status, headers=headers)
@@ -88,13 +82,18 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 class HttpApi:
     """The routes, over the same `Dispatcher` the gRPC API uses."""
 
-    def __init__(self, dispatcher: Dispatcher, health_check: HealthCheck) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, health_check: HealthCheck, read_timeout_s: float = 30.0
+    ) -> None:
         self.dispatcher = dispatcher
+        self.read_timeout_s = read_timeout_s  # for a request's body (a slow sender gets 408)
         self.health_check = health_check
         self.created = int(time.time())
 
-    def app(self, max_request_bytes: int) -> web.Application:
-        app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors])
+    def app(self, max_request_bytes: int, keys: KeyCheck | None = None) -> web.Application:
+        """The routes; with ``keys``, every one but ``GET /health`` needs a valid API key."""
+        guard = [] if keys is None else [http_middleware(keys)]
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors, *guard])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -164,7 +163,7 @@ class HttpApi:
     async def _generate(
         self, request: web.Request, parse: Callable[[Any, str | None], OpenAICall]
     ) -> web.StreamResponse:
-        body = await _read_json(request)
+        body = await _read_json(request, self.read_timeout_s)
         rid = next((request.headers[h] for h in REQUEST_ID_HEADERS if request.headers.get(h)), None)
         call = parse(body, rid)
         headers = {}
@@ -274,8 +273,12 @@ class HttpApi:
         return self.dispatcher.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 over client_max_size
+async def _read_json(request: web.Request, timeout_s: float) -> Any:
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # raises 413 over client_max_size
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {timeout_s:g} s") from None
     try:
         text = raw.decode("utf-8-sig")  # JSON between systems is UTF-8 (RFC 8259); a BOM is tolerated
     except UnicodeDecodeError as e:

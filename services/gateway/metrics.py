@@ -52,6 +52,14 @@ _SEGMENT = ["model", "version"]
 
 # --------------------------------------------------------------------------- gateway: requests
 
+AUTH_REFUSED = Counter(
+    "baton_gateway_auth_refused",
+    "Calls refused for want of a valid API key (--require-api-key), by surface (http, grpc) and reason "
+    "(missing, invalid).",
+    ["surface", "reason"],
+    registry=REGISTRY,
+)
+
 ARRIVALS = Counter(
     "baton_gateway_arrivals",
     "Requests received, counted on arrival whatever becomes of them (refused, failed, cancelled or "

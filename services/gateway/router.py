@@ -25,6 +25,7 @@ from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
 from core.errors import ServingError, Unavailable
 from core.expiry import Expired, expire_later
 from rpc.errors import error_from_pb, from_rpc_error
+from rpc.tls import Tls, channel
 
 log = logging.getLogger(__name__)
 
@@ -303,10 +304,10 @@ class SchedulerRouter:
     """The gateway's client of the cluster scheduler: one channel, shared by every request, and one
     `Calls` stream on it for the per-request calls (Place, Finish, ReportLease, Cancel)."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, tls: Tls | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s  # longest Place may take (it may wait in the scheduler's fair queue)
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = channel(address, tls, CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._calls = CallStream(self._stub, address)
         self._background: set[asyncio.Task[bool]] = set()
@@ -419,6 +420,16 @@ class SchedulerRouter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    async def authenticate(self, api_key: str) -> str:
+        """The tenant of ``api_key`` (`Unauthenticated` if it has none), as a Place would resolve it."""
+        try:
+            resp = await self._stub.Authenticate(
+                scheduler_pb2.AuthenticateRequest(api_key=api_key), timeout=REPORT_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            raise scheduler_error(e, self.address) from None
+        return str(resp.tenant)
 
     async def list_versions(
         self, model: str = "", timeout_s: float = 5.0

@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,16 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
-from core.units import parse_bytes
 from engine.tokenizer import Tokenizer
-from rpc.flags import add_flags, config_from_args
-from rpc.metrics import DEFAULT_MAX_TENANTS, BoundedLabel
+from rpc.flags import add_flags
+from rpc.metrics import BoundedLabel, MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
+from rpc.tls import Tls, add_port
+from services.gateway import metrics
 from services.gateway.admission import Limits, ModelInfo, load_tokenizer, vocab_size
+from services.gateway.auth import GrpcKeyInterceptor, KeyCheck
+from services.gateway.config import GatewayConfig
 from services.gateway.convert import lenient_deserializer
 from services.gateway.dispatch import Dispatcher
 from services.gateway.http_api import HttpApi
@@ -40,148 +42,12 @@ from services.gateway.servicer import GatewayServicer
 from services.gateway.shadow import ShadowTraffic
 from services.gateway.worker_clients import WorkerClients
 
+__all__ = ["GatewayConfig", "GatewayServer", "add_gateway_parser", "serve_gateway"]
+
 log = logging.getLogger(__name__)
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 HEALTH_PROBE_INTERVAL_S = 5.0
-
-
-def _addresses(text: str) -> tuple[str, ...]:
-    items = tuple(a.strip() for a in text.split(",") if a.strip())
-    for a in items:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit():
-            raise argparse.ArgumentTypeError(f"not a host:port address: {a!r}")
-    return items
-
-
-def _address(text: str) -> str:
-    items = _addresses(text)
-    if len(items) != 1:
-        raise argparse.ArgumentTypeError(f"expected one host:port address, got {text!r}")
-    return items[0]
-
-
-def _help(text: str, **meta: Any) -> dict[str, Any]:
-    return {"help": text, **meta}
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    """Everything the gateway is started with; field names are the `baton gateway` flags (`rpc.flags`)."""
-
-    model: str | None = field(
-        default=None, metadata=_help("model dir or .gguf for the tokenizer (default: the default model)")
-    )
-    served_model_name: str | None = field(
-        default=None, metadata=_help("the model's public name (default: the workers')")
-    )
-    host: str = "127.0.0.1"
-    grpc_port: int = field(default=50051, metadata=_help("gRPC port (0 = any free port)"))
-    http_port: int = field(
-        default=8000, metadata=_help("HTTP port: OpenAI API, /health, /metrics (0 = any free port)")
-    )
-    scheduler: str | None = field(
-        default=None,
-        metadata=_help(
-            "host:port of the cluster scheduler, which places every request (default: none, static "
-            "placement)",
-            parse=_address,
-        ),
-    )
-    scheduler_timeout: float = field(
-        default=30.0, metadata=_help("seconds a placement may take, queueing included")
-    )
-    prefill_workers: tuple[str, ...] = field(
-        default=(), metadata=_help("without a scheduler: host:port,... of prefill workers", parse=_addresses)
-    )
-    decode_workers: tuple[str, ...] = field(
-        default=(), metadata=_help("without a scheduler: host:port,... of decode workers", parse=_addresses)
-    )
-    local_prefill_threshold: int = field(
-        default=32,
-        metadata=_help(
-            "without a scheduler: prompts shorter than this many tokens are prefilled on the decode worker"
-        ),
-    )
-    max_migrations: int = field(
-        default=2,
-        metadata=_help("times a request's decode may move to another worker after its worker failed"),
-    )
-    max_prompt_tokens: int | None = field(
-        default=None, metadata=_help("most prompt tokens a request may bring (default: the model's context)")
-    )
-    max_output_tokens: int = field(default=4096, metadata=_help("most tokens one request may generate"))
-    max_request_bytes: int = field(
-        default=4 << 20,
-        metadata=_help("largest gRPC message or HTTP body accepted, e.g. 4MiB", parse=parse_bytes),
-    )
-    max_streams_per_connection: int = field(
-        default=128, metadata=_help("concurrent gRPC streams per client connection")
-    )
-    max_session_requests: int = field(default=64, metadata=_help("requests in flight per gRPC Session"))
-    max_buffered_tokens: int = field(
-        default=1024,
-        metadata=_help("tokens a client may leave unread before its request fails (slow reader)"),
-    )
-    startup_timeout: float = field(
-        default=120.0,
-        metadata=_help(
-            "seconds to wait for the workers (or a worker registered with the scheduler) at start-up"
-        ),
-    )
-    tokenizer_threads: int = field(
-        default=2, metadata=_help("threads that tokenize and apply chat templates")
-    )
-    max_shadow_requests: int = field(
-        default=16,
-        metadata=_help("shadow requests (mirrored to a candidate version) in flight; more are skipped"),
-    )
-    shadow_timeout: float = field(default=120.0, metadata=_help("seconds a shadow request may run"))
-    metrics_max_tenants: int = field(
-        default=DEFAULT_MAX_TENANTS,
-        metadata=_help("tenants with a metrics label of their own; later ones are counted as 'other'"),
-    )
-    drain_timeout_s: float = field(
-        default=25.0,
-        metadata=_help(
-            "on SIGTERM, seconds the streams in flight may take to finish (new requests get UNAVAILABLE); "
-            "those still running then end with UNAVAILABLE"
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        if self.scheduler and (self.decode_workers or self.prefill_workers):
-            raise ValueError("give either --scheduler or --decode-workers/--prefill-workers, not both")
-        if not self.scheduler and not self.decode_workers:
-            raise ValueError(
-                "the gateway needs a scheduler (--scheduler host:port) or at least one decode "
-                "worker (--decode-workers host:port,...)"
-            )
-        if self.max_migrations < 0 or self.scheduler_timeout <= 0 or self.shadow_timeout <= 0:
-            raise ValueError(
-                "max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive"
-            )
-        if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0 or self.drain_timeout_s < 0:
-            raise ValueError(
-                "max_shadow_requests, metrics_max_tenants and drain_timeout_s must be at least 0"
-            )
-        for name in (
-            "max_output_tokens",
-            "max_request_bytes",
-            "max_streams_per_connection",
-            "max_session_requests",
-            "max_buffered_tokens",
-            "tokenizer_threads",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError("max_prompt_tokens must be at least 1")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
-        return config_from_args(cls, args, getattr(args, "parser", None))
 
 
 def add_gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -207,6 +73,7 @@ class GatewayServer:
         health_task: asyncio.Task[None],
         router: Router,
         health_servicer: health.aio.HealthServicer,
+        metrics_endpoint: MetricsEndpoint,
     ) -> None:
         self.config = config
         self.grpc_port = grpc_port
@@ -219,6 +86,7 @@ class GatewayServer:
         self._health_task = health_task
         self._router = router
         self._health = health_servicer
+        self.metrics_endpoint = metrics_endpoint  # its url is "" unless --metrics-port
 
     @property
     def grpc_address(self) -> str:
@@ -226,7 +94,8 @@ class GatewayServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.host}:{self.http_port}"
+        scheme = "https" if self.config.tls.tls_dir else "http"
+        return f"{scheme}://{self.config.host}:{self.http_port}"
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains, then stops. At once: the health check says NOT_SERVING (a readiness probe fails, so
@@ -244,6 +113,7 @@ class GatewayServer:
         await self.dispatcher.shutdown(grace)
         await self._grpc_server.stop(1.0)  # the streams have ended: this only flushes their last messages
         await self._runner.cleanup()
+        await self.metrics_endpoint.stop()
         await self._router.close()
         await self._workers.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -345,15 +215,17 @@ async def _watch_health(check: Health, servicer: health.aio.HealthServicer) -> N
 
 
 def _grpc_server(
-    config: GatewayConfig, dispatcher: Dispatcher
+    config: GatewayConfig, dispatcher: Dispatcher, keys: KeyCheck | None, tls: Tls | None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """The gRPC server (Gateway, health, reflection) bound to its port, not yet started."""
+    """The gRPC server (Gateway, health, reflection) bound to its port, not yet started; with
+    ``keys``, every method but health's needs a valid API key."""
     server = grpc.aio.server(
+        interceptors=[] if keys is None else [GrpcKeyInterceptor(keys)],
         options=[
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
             ("grpc.so_reuseport", 0),  # a port already in use is an error, not a shared port
-        ]
+        ],
     )
     add_servicer(
         GatewayServicer(dispatcher, config.max_session_requests),
@@ -373,18 +245,28 @@ def _grpc_server(
         server,
     )
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        port = add_port(server, f"{config.host}:{config.grpc_port}", tls, mutual=False)  # clients: API keys
     except RuntimeError as e:
         raise Unavailable(f"cannot listen for gRPC on {config.host}:{config.grpc_port}: {e}") from None
     return server, health_servicer, port
 
 
-async def _http_server(config: GatewayConfig, http: HttpApi) -> tuple[web.AppRunner, int]:
+async def _http_server(
+    config: GatewayConfig, http: HttpApi, keys: KeyCheck | None, tls: Tls | None
+) -> tuple[web.AppRunner, int]:
     """The HTTP API started on its port; a client that disconnects cancels its handler."""
-    runner = web.AppRunner(http.app(config.max_request_bytes), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        http.app(config.max_request_bytes, keys),
+        handler_cancellation=True,
+        access_log=None,
+        # From connecting (or the last response) to a request's last header byte, and idle after: a
+        # slowloris client that trickles its headers is closed then.
+        keepalive_timeout=config.http_read_timeout_s,
+    )
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.http_port).start()
+        context = None if tls is None else tls.server_context()
+        await web.TCPSite(runner, config.host, config.http_port, ssl_context=context).start()
     except OSError as e:
         await runner.cleanup()
         raise Unavailable(f"cannot listen for HTTP on {config.host}:{config.http_port}: {e}") from None
@@ -392,12 +274,12 @@ async def _http_server(config: GatewayConfig, http: HttpApi) -> tuple[web.AppRun
 
 
 async def _routing(
-    config: GatewayConfig, workers: WorkerClients, executor: ThreadPoolExecutor
+    config: GatewayConfig, workers: WorkerClients, executor: ThreadPoolExecutor, tls: Tls | None
 ) -> tuple[Tokenizer, ModelInfo, Router, Health]:
     """The tokenizer, the served model, the router and the health check, for a scheduler or static workers."""
     model_dir, tokenizer = await load_tokenizer(config.model, executor)
     if config.scheduler:
-        router = SchedulerRouter(config.scheduler, config.scheduler_timeout)
+        router = SchedulerRouter(config.scheduler, config.scheduler_timeout, tls)
         try:
             model = await _scheduler_model(config, router, model_dir, tokenizer)
         except BaseException:
@@ -427,10 +309,11 @@ async def _routing(
 async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     """Starts the gateway on the running loop once the model is known; returns the running server."""
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-tokenizer")
-    workers = WorkerClients()
+    tls = config.tls.load()
+    workers = WorkerClients(tls)
     router: Router | None = None
     try:
-        tokenizer, model, router, check = await _routing(config, workers, executor)
+        tokenizer, model, router, check = await _routing(config, workers, executor, tls)
         limits = Limits(
             config.max_prompt_tokens,
             config.max_output_tokens,
@@ -450,13 +333,27 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
             shadows,
             BoundedLabel(config.metrics_max_tenants),
         )
-        server, health_servicer, grpc_port = _grpc_server(config, dispatcher)
+        keys = None
+        if config.require_api_key:
+            assert isinstance(router, SchedulerRouter)  # GatewayConfig requires a scheduler for it
+            keys = KeyCheck(router.authenticate)
+        server, health_servicer, grpc_port = _grpc_server(config, dispatcher, keys, tls)
         await server.start()
         try:
-            runner, http_port = await _http_server(config, HttpApi(dispatcher, check))
+            runner, http_port = await _http_server(
+                config, HttpApi(dispatcher, check, config.http_read_timeout_s), keys, tls
+            )
         except BaseException:
             await server.stop(0)
             raise
+        metrics_endpoint = MetricsEndpoint(metrics.REGISTRY)
+        if config.metrics_port is not None:
+            try:
+                await metrics_endpoint.start(config.host, config.metrics_port)
+            except OSError as e:
+                await runner.cleanup()
+                await server.stop(0)
+                raise Unavailable(f"cannot serve metrics on port {config.metrics_port}: {e}") from None
     except BaseException:
         if router is not None:
             await router.close()
@@ -479,6 +376,7 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
         health_task,
         router,
         health_servicer,
+        metrics_endpoint,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import grpc
@@ -21,6 +21,7 @@ from core.errors import CapacityExceeded, ServingError
 from rpc.errors import as_serving_error, error_to_pb
 from rpc.servicer import Undecodable
 from services.gateway.admission import GenerationRequest
+from services.gateway.auth import api_key_from_metadata
 from services.gateway.choices import Choices
 from services.gateway.convert import choices_from_pb, completion_to_pb, delta_to_pb, generation_from_pb
 from services.gateway.dispatch import Dispatcher
@@ -30,15 +31,6 @@ from services.gateway.request_stream import Delta, Finished, RequestStream
 log = logging.getLogger(__name__)
 
 SESSION_OUTBOX = 64  # responses a Session buffers for its client before its requests' streams back up
-
-
-def api_key_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
-    """The client's API key from gRPC metadata: ``authorization: Bearer KEY`` or ``x-api-key: KEY``."""
-    values = {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
-    scheme, _, token = values.get("authorization", "").strip().partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return values.get("x-api-key", "").strip()
 
 
 def several_choices(dispatcher: Dispatcher, request: GenerationRequest, n: int, api_key: str) -> Choices:

@@ -19,6 +19,8 @@ from core.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from rpc.convert import FINISH_FROM_PB, handle_from_pb, handle_to_pb, sampling_to_pb
 from rpc.errors import from_rpc_error
+from rpc.tls import Tls
+from rpc.tls import channel as tls_channel
 from services.gateway.convert import delta_from_pb
 from services.gateway.request_stream import Delta
 from services.gateway.router import CHANNEL_OPTIONS
@@ -85,7 +87,8 @@ def _finish(code: int) -> FinishReason | None:
 class WorkerClients:
     """One channel per worker address, opened on first use and shared by all requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: Tls | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._background: set[asyncio.Task[bool]] = set()
@@ -93,7 +96,7 @@ class WorkerClients:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = tls_channel(address, self._tls, CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

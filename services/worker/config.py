@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from rpc.flags import add_flags, config_from_args, metrics_port_field
+from rpc.tls import TlsConfig
 
 ROLES = ("prefill", "decode", "both")
 KV_TRANSPORTS = ("auto", "nixl", "shm", "tcp")
@@ -89,6 +90,7 @@ class WorkerConfig:
         },
     )
     metrics_port: int | None = metrics_port_field()
+    tls: TlsConfig = TlsConfig()  # mutual TLS on its port and on its calls to the scheduler and peers
     engine: EngineConfig = field(default=WORKER_ENGINE, metadata={"exclude": ("heavy_prefill_chunk",)})
 
     def __post_init__(self) -> None:

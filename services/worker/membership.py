@@ -17,6 +17,7 @@ import grpc
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from rpc.tls import Tls, channel
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Membership:
         aengine: AsyncEngine,
         info: Callable[[LLMEngine], worker_pb2.InfoResponse],
         role: str,
+        tls: Tls | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.aengine = aengine
@@ -43,7 +45,7 @@ class Membership:
         self.role = role
         self.interval_s = 1.0
         self.draining = False
-        self._channel = grpc.aio.insecure_channel(scheduler)
+        self._channel = channel(scheduler, tls)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self.registered = asyncio.Event()

@@ -39,6 +39,7 @@ class WorkerStats:
     leases_released: int = 0
     leases_expired: int = 0
     leases_aborted: int = 0
+    kv_transfer_refused: int = 0
 
 
 class _WorkerStatsCollector(Collector):
@@ -106,6 +107,12 @@ class _WorkerStatsCollector(Collector):
                 s.num_leases,
             ),
             leases,
+            c(
+                "baton_worker_kv_transfer_refused",
+                "Connections to this worker's KV transfer port dropped: no or a wrong credential, a "
+                "malformed frame, or a read outside its lease.",
+                s.kv_transfer_refused,
+            ),
             c(
                 "baton_worker_prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",

@@ -35,6 +35,7 @@ from rpc.convert import layout_to_pb
 from rpc.metrics import MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
+from rpc.tls import add_port
 from services.worker.config import WorkerConfig
 from services.worker.membership import Membership, listen_for_cancels
 from services.worker.metrics import WorkerMetrics, WorkerStats
@@ -155,6 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             leases_released=p.num_released if p is not None else 0,
             leases_expired=p.num_expired if p is not None else 0,
             leases_aborted=p.num_aborted if p is not None else 0,
+            kv_transfer_refused=self.shell.transport.refused,
         )
 
     def _num_pulls(self) -> int:
@@ -270,8 +272,9 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     # engine thread (see AsyncEngine.launch).
     aengine = await AsyncEngine.launch(lambda: LLMEngine(config.engine), config.max_pending_outputs)
     try:
+        tls = config.tls.load()
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_port(server, f"{config.host}:{config.port}", tls)  # mutual TLS if configured
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         address = f"{config.advertise_host or config.host}:{port}"
@@ -292,7 +295,7 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     engine = aengine.engine
     if prefill is not None:
         aengine.service_hooks.append(prefill.service)
-    servicer = WorkerServicer(WorkerShell(config, aengine, transport, address), prefill, decode)
+    servicer = WorkerServicer(WorkerShell(config, aengine, transport, address, tls), prefill, decode)
     aengine.on_abort = servicer.metrics.aborted
     add_servicer(
         servicer, server, worker_pb2.DESCRIPTOR.services_by_name["Worker"]
@@ -324,7 +327,7 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
             config.redis_url, lambda rid: servicer.post_abort(rid), servicer.shell.recent_cancels
         )
     if config.scheduler:
-        worker.membership = Membership(config.scheduler, aengine, servicer.snapshot, config.role)
+        worker.membership = Membership(config.scheduler, aengine, servicer.snapshot, config.role, tls)
         worker.membership.start()
     log.info(
         "worker ready: role=%s address=%s model=%s kv=%s metrics=%s",

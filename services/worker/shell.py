@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.structured import COMPILE_TIMEOUT_S
 from kv_transfer.transport import KVTransport
 from rpc.convert import sampling_from_pb
+from rpc.tls import Tls
 from services.worker.config import WorkerConfig
 from services.worker.membership import RecentCancels
 from services.worker.metrics import WorkerMetrics
@@ -28,9 +29,15 @@ class WorkerShell:
     """One worker process's shared state. Every engine access goes through the engine thread."""
 
     def __init__(
-        self, config: WorkerConfig, aengine: AsyncEngine, transport: KVTransport, address: str
+        self,
+        config: WorkerConfig,
+        aengine: AsyncEngine,
+        transport: KVTransport,
+        address: str,
+        tls: Tls | None = None,
     ) -> None:
         self.config = config
+        self.tls = tls  # this worker's identity on its calls to peers (``--tls-dir``)
         self.aengine = aengine
         self.transport = transport
         self.address = address

@@ -179,8 +179,8 @@ def test_no_arguments_give_exactly_the_dataclass_defaults() -> None:
     assert parse("up") == launcher.UpConfig()
     # A gateway needs somewhere to place, so it has no all-default config: its flags' defaults are its fields'.
     args = parser().parse_args(["gateway"])
-    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(GatewayConfig)} == {
-        f.name: f.default for f in dataclasses.fields(GatewayConfig)
+    assert {f.dest: getattr(args, f.dest) for f in flags(GatewayConfig)} == {
+        f.dest: f.default for f in flags(GatewayConfig)
     }
     assert parse("gateway", "--scheduler", "h:1") == GatewayConfig(scheduler="h:1")
 

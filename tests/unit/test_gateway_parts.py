@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from core.errors import CapacityExceeded, InvalidRequest, Unavailable
+from rpc.flags import flags as rpc_flags
 from services.gateway.request_stream import Delta, Finished, RequestStream, Timings, Usage
 from services.gateway.router import Route, RouteQuery, StaticRouter
 from services.gateway.server import GatewayConfig, add_gateway_parser
@@ -42,8 +42,7 @@ def test_static_routing_skips_failed_workers() -> None:
 
 
 def test_api_keys_from_http_headers_and_grpc_metadata() -> None:
-    from services.gateway.http_api import api_key
-    from services.gateway.servicer import api_key_from_metadata
+    from services.gateway.auth import api_key, api_key_from_metadata
 
     assert api_key({"Authorization": "Bearer sk-1"}) == "sk-1"
     assert api_key({"Authorization": "bearer  sk-2 "}) == "sk-2"
@@ -179,7 +178,7 @@ def test_flags_are_the_config_fields() -> None:
     assert config.decode_workers == ("127.0.0.1:1", "127.0.0.1:2") and config.prefill_workers == ("h:3",)
     assert config.max_prompt_tokens == 100 and config.local_prefill_threshold == 0 and config.grpc_port == 0
     flags = {a.dest for a in parser._subparsers._group_actions[0].choices["gateway"]._actions}  # type: ignore[union-attr]
-    assert {f.name for f in dataclasses.fields(GatewayConfig)} <= flags
+    assert {f.dest for f in rpc_flags(GatewayConfig)} <= flags
     with pytest.raises(SystemExit):
         parser.parse_args(["gateway", "--decode-workers", "nohostport"])
     with pytest.raises(ValueError, match="decode worker"):
