@@ -29,7 +29,7 @@ from rpc.flags import add_flags, config_from_args, field_like, to_argv
 from scheduler.config import ClusterSchedulerConfig, SchedulerProcessConfig
 from services.gateway.server import GatewayConfig
 from services.local_security import LocalSecurity
-from services.supervisor import Child, NotHealthyYet, Supervisor, free_port, is_serving, redis_ping
+from services.supervisor import Child, NotHealthyYet, Supervisor, free_port, is_serving
 from services.worker.config import WORKER_ENGINE, WorkerConfig
 
 __all__ = ["UpConfig", "build_cluster", "free_port", "is_serving", "run_up"]
@@ -202,9 +202,10 @@ def build_cluster(
         from scheduler.redis_server import redis_binary
 
         redis_port, scheduler_port = free_port(host), free_port(host)
-        redis_url = f"redis://{host}:{redis_port}/0"
+        redis_url = security.redis_url(host, redis_port)
         scheduler = f"{host}:{scheduler_port}"
-        redis_argv = ["--bind", host, "--port", str(redis_port), "--save", "", "--appendonly", "no"]
+        conf = [str(security.redis_conf)] if security.redis_conf else []  # its password, not on argv
+        redis_argv = [*conf, "--bind", host, "--port", str(redis_port), "--save", "", "--appendonly", "no"]
         cluster.children.append(
             Child(
                 "redis",
@@ -212,7 +213,7 @@ def build_cluster(
                 f"{host}:{redis_port}",
                 log_dir / "redis.log",
                 phase=0,
-                probe=redis_ping,
+                probe=security.redis_probe,
             )
         )
         metrics_port = free_port(host)
@@ -336,6 +337,9 @@ def banner(endpoints: dict[str, str], model_name: str, log_dir: Path, security: 
         if "metrics:autoscaler" in endpoints
         else ""
     )
+    redis = endpoints.get("redis", "none")
+    if security.redis_password:
+        redis = redis.replace(security.redis_password, "***") + f"   (password in {security.redis_conf})"
     secured = ""
     if security.ca_file:
         secured += f"\n  TLS         : CA {security.ca_file} (development CA; mutual TLS inside the cluster)"
@@ -347,7 +351,7 @@ Baton is up — model {model_name}
   gRPC        : {endpoints["grpc"]}   (baton.v1.Gateway; reflection on){secured}
   workers     : {workers}
   scheduler   : {endpoints.get("scheduler", "none (static placement)")}
-  redis       : {endpoints.get("redis", "none")}
+  redis       : {redis}
   metrics     : {metrics}
                 (Prometheus: prometheus --config.file={log_dir / "prometheus.yml"}; Grafana: deploy/grafana/)
   logs        : {log_dir}

@@ -63,12 +63,13 @@ def is_serving(address: str, tls: Tls | None = None) -> bool:
     return health_status(address, tls=tls) == "SERVING"
 
 
-def redis_ping(address: str) -> bool:
+def redis_ping(address: str, password: str | None = None) -> bool:
     import redis
 
     host, port = address.rsplit(":", 1)
     try:
-        return bool(redis.Redis(host=host, port=int(port), socket_connect_timeout=0.5).ping())
+        client = redis.Redis(host=host, port=int(port), password=password, socket_connect_timeout=0.5)
+        return bool(client.ping())
     except redis.RedisError:
         return False
 

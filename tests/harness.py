@@ -561,7 +561,7 @@ def start_baton_up(
     """`baton up` ready to serve. Fails (killing it) unless its banner gives the HTTP and gRPC addresses
     and — with ``metrics_of`` — a Redis URL and the /metrics URLs of exactly those processes."""
     proc, text = launch_baton_up(log_dir, *flags, timeout_s=timeout_s)
-    http_url = re.search(r"OpenAI HTTP : (http://\S+)/v1", text)
+    http_url = re.search(r"OpenAI HTTP : (https?://\S+)/v1", text)
     grpc_addr = re.search(r"gRPC\s+: (\S+)", text)
     redis_url = re.search(r"redis\s+: (redis://\S+)", text)
     metrics = dict(re.findall(r"(\w+)=(http://\S+/metrics)", text))

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import ssl
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +159,88 @@ def test_up_on_the_default_model_answers_paris_through_the_openai_client(tmp_pat
         assert len(texts) == 100
         for t in texts:
             jsonschema.validate(json.loads(t), schema)
+        stop_up(up)
+    finally:
+        up.shut_down()
+
+
+def test_up_with_tls_and_a_required_key_serves_the_openai_client_and_refuses_the_rest(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`baton up --tls --require-api-key`: the official client with the CA and the printed key streams a
+    completion; without the key every route but health is 401 and gRPC UNAUTHENTICATED; the scheduler
+    and the worker refuse a plaintext client and one without the cluster's certificate; Redis wants its
+    password."""
+    import redis
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from openai import AuthenticationError, DefaultHttpxClient, OpenAI
+
+    from rpc.tls import Tls, sync_channel
+
+    up = start_up(
+        tmp_path,
+        "--model",
+        str(tiny_llama),
+        "--colocated",
+        "--kv-transport",
+        "tcp",
+        "--dtype",
+        "float32",
+        "--tls",
+        "--require-api-key",
+    )
+    try:
+        key = re.search(r"API key\s+: (sk-baton-\S+)", up.banner)
+        ca = re.search(r"TLS\s+: CA (\S+)", up.banner)
+        assert key and ca and up.http.startswith("https://"), up.banner
+        context = ssl.create_default_context(cafile=ca.group(1))
+        with DefaultHttpxClient(verify=context) as http:
+            client = OpenAI(base_url=f"{up.http}/v1", api_key=key.group(1), http_client=http, max_retries=0)
+            chunks = client.chat.completions.create(
+                model=client.models.list().data[0].id,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            stranger = OpenAI(base_url=f"{up.http}/v1", api_key="sk-wrong", http_client=http, max_retries=0)
+            with pytest.raises(AuthenticationError):
+                stranger.models.list()
+        for path, status in (("/health", 200), ("/v1/models", 401), ("//v1/models", 401), ("/metrics", 401)):
+            try:
+                with urllib.request.urlopen(f"{up.http}{path}", timeout=30, context=context) as r:
+                    got = r.status
+            except urllib.error.HTTPError as e:
+                got = e.code
+            assert got == status, path
+        public = grpc.secure_channel(up.grpc, grpc.ssl_channel_credentials(Path(ca.group(1)).read_bytes()))
+        with public:
+            request = gateway_pb2.GenerateRequest(
+                prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=2)
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(gateway_pb2_grpc.GatewayStub(public).Generate(request, timeout=60))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            metadata = (("authorization", f"Bearer {key.group(1)}"),)
+            assert list(gateway_pb2_grpc.GatewayStub(public).Generate(request, timeout=60, metadata=metadata))
+        certs = Tls.load(Path(ca.group(1)).parent)
+        internal = [
+            re.search(rf"{name} (\S+:\d+)", up.banner) for name in ("scheduler   :", "workers     : both")
+        ]
+        assert all(internal), up.banner
+        for match in internal:
+            assert match
+            address = match.group(1)
+            with grpc.insecure_channel(address) as plain, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            with sync_channel(address, certs) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        redis_address = re.search(r"redis\s+: redis://:\*\*\*@(\S+):(\d+)/0", up.banner)
+        assert redis_address, up.banner
+        with pytest.raises(redis.RedisError, match="(?i)auth"):
+            redis.Redis(host=redis_address.group(1), port=int(redis_address.group(2))).get("x")
         stop_up(up)
     finally:
         up.shut_down()
