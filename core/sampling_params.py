@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -98,14 +101,14 @@ class SamplingParams:
             raise InvalidRequest(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        _check_number("temperature", self.temperature, 0.0, 100.0)
+        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequest(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         _check_number("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
             raise InvalidRequest("top_p must be in (0, 1], got 0")
         _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 100.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)
         if self.repetition_penalty == 0.0:
             raise InvalidRequest("repetition_penalty must be > 0, got 0")
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -144,7 +147,8 @@ def _as_tuple(name: str, value: Any, kind: type) -> tuple[Any, ...]:
         return ()
     if kind is str and isinstance(value, str):
         return (value,)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    # A sequence, not any iterable: a JSON object ({} → its keys) or a set is a client's mistake.
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, AbstractSet)):
         raise InvalidRequest(f"{name} must be a list of {kind.__name__}, got {type(value).__name__}")
     items = tuple(value)
     for item in items:

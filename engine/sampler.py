@@ -239,7 +239,8 @@ def _nucleus_threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[tor
     mass strictly before it is below ``p``, so the top token always is), and whether the cut fell inside
     these ``c`` values ``[n]``. Ties with the last kept token are kept too, so the order of ties is moot."""
     mass_before = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exclusive prefix sum, nondecreasing
-    num_kept = (mass_before < p).sum(dim=-1, keepdim=True)  # [n, 1], >= 1
+    # >= 1: a top_p below float32's smallest value (5e-324 is a valid request) rounds to 0 here.
+    num_kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp_min(1)  # [n, 1]
     threshold = sorted_probs.gather(1, num_kept - 1)
     return threshold, num_kept.squeeze(1) < sorted_probs.shape[1]
 

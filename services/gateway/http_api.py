@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API on aiohttp, in the gateway process and on its asyncio loop.
 
 POST /v1/completions, POST /v1/chat/completions (``stream: true`` as server-sent events), GET
-/v1/models, GET /health, GET /metrics. Every error is an OpenAI error body with its HTTP status (429
-with Retry-After). A client that closes its connection cancels its request downstream: the handler
+/v1/models, GET /health, GET /metrics, GET /openapi.json (this API's description). Every error is an
+OpenAI error body with its HTTP status (429 with Retry-After). A client that closes its connection cancels its request downstream: the handler
 is cancelled (``handler_cancellation``) or its next write fails, and either way the stream is cancelled.
 """
 
@@ -32,6 +32,7 @@ from services.gateway.openai_responses import (
     tool_finish_reason,
     usage_chunk_json,
 )
+from services.gateway.openapi import openapi_document
 from services.gateway.request_stream import Delta, Finished, Usage
 from services.gateway.structured import MAX_JSON_DEPTH, check_depth
 from services.gateway.tools import ToolStream
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADERS = ("X-Request-Id", "Idempotency-Key")
 IGNORED_FIELDS_HEADER = "X-Baton-Ignored-Fields"  # the body's fields this server does not know
+MAX_ECHOED_CHARS = 1024  # of those names, in the header and the log
 REQUEST_ID = web.RequestKey("request_id", str)  # set once the request is accepted, for error responses
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
@@ -87,11 +89,13 @@ class HttpApi:
     ) -> None:
         self.dispatcher = dispatcher
         self.read_timeout_s = read_timeout_s  # for a request's body (a slow sender gets 408)
+        self.keyed = False  # every route but health needs an API key (set by `app`)
         self.health_check = health_check
         self.created = int(time.time())
 
     def app(self, max_request_bytes: int, keys: KeyCheck | None = None) -> web.Application:
         """The routes; with ``keys``, every one but ``GET /health`` needs a valid API key."""
+        self.keyed = keys is not None
         guard = [] if keys is None else [http_middleware(keys)]
         app = web.Application(client_max_size=max_request_bytes, middlewares=[_errors, *guard])
         app.router.add_post("/v1/completions", self.completions)
@@ -99,7 +103,14 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """This API's OpenAPI description (`services.gateway.openapi`)."""
+        limits = self.dispatcher.limits
+        document = openapi_document(self.dispatcher.model.name, limits.max_output_tokens, self.keyed)
+        return web.json_response(document)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion)
@@ -168,10 +179,11 @@ class HttpApi:
         call = parse(body, rid)
         headers = {}
         if call.ignored:
-            log.warning(
-                "%s: ignored the field(s) it does not know: %s", request.path, ", ".join(call.ignored)
-            )
-            headers[IGNORED_FIELDS_HEADER] = ", ".join(call.ignored)
+            # A client's field names, escaped to printable ASCII and capped: neither the log nor the
+            # header can be given a line break or a megabyte.
+            names = ", ".join(ascii(name)[1:-1] for name in call.ignored)[:MAX_ECHOED_CHARS]
+            log.warning("%s: ignored the field(s) it does not know: %s", request.path, names)
+            headers[IGNORED_FIELDS_HEADER] = names
         choices = Choices(self.dispatcher, call, rid, api_key(request.headers))
         try:
             await choices.start()
