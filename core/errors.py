@@ -94,6 +94,12 @@ class WorkerLost(Unavailable):
         self.address = address
 
 
+class SchedulerLost(Unavailable):
+    """The connection to the scheduler broke before it answered a call (the replica died or stopped):
+    the call may be sent again, to another replica — a Place is idempotent per request id (its quota
+    is charged once)."""
+
+
 class WorkerDraining(WorkerLost):
     """A worker is shutting down (SIGTERM, a scale-down, a rolling update) and handed the request back
     unfinished: the caller continues it on another worker, from the tokens it already has."""

@@ -84,18 +84,46 @@ def add_port(server: grpc.aio.Server, address: str, tls: Tls | None, mutual: boo
     return int(server.add_secure_port(address, tls.server_credentials(mutual)))
 
 
-def channel(address: str, tls: Tls | None, options: Options = ()) -> grpc.aio.Channel:
-    """An asyncio channel to an internal server: plaintext, or mutual TLS with this process's identity."""
+def target(address: str) -> tuple[str, Options]:
+    """The gRPC target of ``address`` — one ``host:port``, or several IP ``host:port``s separated by
+    commas (replicas of one service, e.g. the scheduler's: the channel uses the first that answers and
+    moves on when it fails) — and the options that dialling them needs."""
+    if "," not in address:
+        return address, ()
+    hosts = [a.strip().rpartition(":")[0].strip("[]") for a in address.split(",")]
+    try:
+        family = {ipaddress.ip_address(h).version for h in hosts}
+    except ValueError:
+        raise ValueError(f"several addresses must be IP host:port pairs, got {address!r}") from None
+    if len(family) != 1:
+        raise ValueError(f"several addresses must be all IPv4 or all IPv6, got {address!r}")
+    scheme = "ipv4" if family == {4} else "ipv6"
+    # A certificate is checked for the first host (or --tls-server-name): the replicas share one.
+    return f"{scheme}:{address.replace(' ', '')}", (("grpc.ssl_target_name_override", hosts[0]),)
+
+
+def _dial(address: str, tls: Tls | None, options: Options) -> tuple[str, list[tuple[str, int | str]]]:
+    dialled, names = target(address)
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *tls._name_option])
+        return dialled, [*options]
+    return dialled, [*options, *(tls._name_option or names)]
+
+
+def channel(address: str, tls: Tls | None, options: Options = ()) -> grpc.aio.Channel:
+    """An asyncio channel to an internal server (or its replicas, `target`): plaintext, or mutual TLS
+    with this process's identity."""
+    dialled, opts = _dial(address, tls, options)
+    if tls is None:
+        return grpc.aio.insecure_channel(dialled, options=opts)
+    return grpc.aio.secure_channel(dialled, tls.channel_credentials(), options=opts)
 
 
 def sync_channel(address: str, tls: Tls | None, options: Options = ()) -> grpc.Channel:
     """The same as a blocking channel (health probes of `baton up`'s supervisor, the admin CLI)."""
+    dialled, opts = _dial(address, tls, options)
     if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.channel_credentials(), options=[*options, *tls._name_option])
+        return grpc.insecure_channel(dialled, options=opts)
+    return grpc.secure_channel(dialled, tls.channel_credentials(), options=opts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 from core.units import parse_bytes
 from rpc.flags import config_from_args, port_or_off
 from rpc.metrics import DEFAULT_MAX_TENANTS
-from rpc.tls import TlsConfig
+from rpc.tls import TlsConfig, target
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -26,6 +26,16 @@ def _address(text: str) -> str:
     if len(items) != 1:
         raise argparse.ArgumentTypeError(f"expected one host:port address, got {text!r}")
     return items[0]
+
+
+def _scheduler(text: str) -> str:
+    items = _addresses(text)
+    if len(items) > 1:
+        try:
+            target(",".join(items))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return ",".join(items)
 
 
 def _help(text: str, **meta: Any) -> dict[str, Any]:
@@ -50,9 +60,9 @@ class GatewayConfig:
     scheduler: str | None = field(
         default=None,
         metadata=_help(
-            "host:port of the cluster scheduler, which places every request (default: none, static "
-            "placement)",
-            parse=_address,
+            "host:port of the cluster scheduler, which places every request, or the IP host:port of each "
+            "of its replicas, comma-separated (default: none, static placement)",
+            parse=_scheduler,
         ),
     )
     require_api_key: bool = field(

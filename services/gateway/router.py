@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 import grpc
 
 from baton.v1 import scheduler_pb2, scheduler_pb2_grpc
-from core.errors import ServingError, Unavailable
+from core.errors import SchedulerLost, ServingError, Unavailable
 from core.expiry import Expired, expire_later
 from rpc.errors import error_from_pb, from_rpc_error
 from rpc.tls import Tls, channel
@@ -269,7 +269,7 @@ class CallStream:
     async def _read(
         self, stream: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[scheduler_pb2.SchedulerCall | None]
     ) -> None:
-        error: ServingError = Unavailable(f"the scheduler {self.address} closed the call stream")
+        error: ServingError = SchedulerLost(f"the scheduler {self.address} closed the call stream")
         try:
             async for batch in stream:
                 for reply in batch.replies:
@@ -281,7 +281,7 @@ class CallStream:
                     elif undo is not None and (kind := reply.WhichOneof("reply")) not in (None, "error"):
                         undo(getattr(reply, kind))  # given up, but it had succeeded: give it back
         except grpc.aio.AioRpcError as e:
-            error = scheduler_error(e, self.address)
+            error = SchedulerLost(scheduler_error(e, self.address).message)
         finally:
             if self._outbox is outbox:  # the next call opens a new stream
                 self._outbox = None
@@ -332,7 +332,13 @@ class SchedulerRouter:
                 for request_id in (query.request_id, *query.siblings):
                     self._report(self._finish(request_id, placed.tenant, 0, 0))
 
-        resp: scheduler_pb2.PlaceResponse = await self._calls.call(timeout, undo=undo, place=request)
+        try:
+            resp: scheduler_pb2.PlaceResponse = await self._calls.call(timeout, undo=undo, place=request)
+        except SchedulerLost as e:
+            # The replica went away before answering: once more, on the stream the channel opens to
+            # another replica (a Place is idempotent per request id: charged once).
+            log.warning("request %s: %s; placing it again", query.request_id, e.message)
+            resp = await self._calls.call(timeout, undo=undo, place=request)
         return Route(
             decode=resp.decode_worker,
             prefill=resp.prefill_worker if resp.HasField("prefill_worker") else None,

@@ -77,7 +77,11 @@ class WorkerConfig:
         default=256, metadata={"help": "unread outputs per request before it is ended as a slow reader"}
     )
     scheduler: str | None = field(
-        default=None, metadata={"help": "scheduler host:port to register with (default: none)"}
+        default=None,
+        metadata={
+            "help": "scheduler host:port to register with, or the IP host:port of each replica, "
+            "comma-separated (default: none)"
+        },
     )
     redis_url: str | None = field(
         default=None, metadata={"help": "the cluster's Redis, for the cancellation bus"}

@@ -188,7 +188,11 @@ def test_flags_are_the_config_fields() -> None:
     scheduled = GatewayConfig.from_args(parser.parse_args(["gateway", "--scheduler", "127.0.0.1:50061"]))
     assert scheduled.scheduler == "127.0.0.1:50061" and scheduled.decode_workers == ()
     with pytest.raises(SystemExit):
-        parser.parse_args(["gateway", "--scheduler", "a:1,b:2"])
+        parser.parse_args(["gateway", "--scheduler", "a:1,b:2"])  # replicas: IP addresses only
+    replicas = GatewayConfig.from_args(
+        parser.parse_args(["gateway", "--scheduler", "127.0.0.1:1, 127.0.0.1:2"])
+    )
+    assert replicas.scheduler == "127.0.0.1:1,127.0.0.1:2"
 
 
 def test_gateway_never_imports_torch() -> None:
