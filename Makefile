@@ -10,7 +10,7 @@ PROMPT ?= The capital of France is
 PROTO_SRC := $(wildcard proto/baton/v1/*.proto)
 PROTO_GEN := $(PROTO_SRC:.proto=_pb2.py) $(PROTO_SRC:.proto=_pb2_grpc.py)
 
-.PHONY: setup proto model run generate test test-fast bench peers lint clean tools
+.PHONY: setup proto model run generate test test-fast bench chaos peers lint clean tools
 
 setup: $(STAMP) proto model
 
@@ -58,6 +58,11 @@ test-fast: $(STAMP) proto $(HELM)
 
 bench: setup
 	$(PY) -m benchmarks.run
+
+# The fault, fuzz and soak scenarios (loopback only, about 40 minutes: the soak is 20 of them, then
+# its Redis records' retention is waited out); writes docs/RELIABILITY.md.
+chaos: setup
+	$(PY) -m benchmarks.chaos
 
 # The peers `make bench` compares Baton with, run here on CPU: `transformers serve` (in .venv) and
 # llama.cpp's own server (parallel slots, continuous batching), built from the llama.cpp source the

@@ -269,6 +269,7 @@ def cluster(
         pids = {name.split()[0]: p.pid for (name, *_), p in zip(specs, procs, strict=True)}
         if redis.proc is not None:
             pids["redis"] = redis.proc.pid
+        (log_dir / "redis.url").write_text(redis.url)  # for a caller that reads the cluster's state
         yield gw, [pinned(argv, core) for _, argv, core, _ in specs], pids
     finally:
         stop_all(procs)

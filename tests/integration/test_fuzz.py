@@ -16,6 +16,7 @@ After each, both workers hold no block, lease or request, and the gateway answer
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -107,6 +108,8 @@ def test_schemathesis_finds_no_server_error_and_no_answer_off_the_description(
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    generated = re.search(r"(\d+) generated", run.stdout)
+    print(f"schemathesis: {generated.group(1) if generated else '?'} cases generated, no failure")
     assert "createCompletion" in run.stdout or "/v1/completions" in run.stdout, run.stdout[-3000:]
     _settled(gw, workers)
 
@@ -263,5 +266,8 @@ def test_random_grpc_messages_from_the_descriptors_get_a_client_status_never_a_s
         seen[code] = seen.get(code, 0) + 1
 
     one()
+    print(
+        "grpc fuzz: " + ", ".join(f"{code.name} {n}" for code, n in sorted(seen.items(), key=lambda x: -x[1]))
+    )
     assert seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 0 and seen.get(grpc.StatusCode.OK, 0) > 0, seen
     _settled(gw, workers)
