@@ -365,7 +365,13 @@ def test_probes_on_every_baton_container_and_liveness_never_asks_health(values: 
         assert "tcpSocket" in c["livenessProbe"]
         if comp != "autoscaler":
             port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
-            assert c["readinessProbe"]["grpc"]["port"] == c["startupProbe"]["grpc"]["port"] == port
+            for probe in (c["readinessProbe"], c["startupProbe"]):
+                if "exec" in probe:  # mutual TLS: the kubelet's gRPC probe shows no certificate
+                    command = probe["exec"]["command"]
+                    assert command[:3] == ["baton", "health", f"127.0.0.1:{port}"], command
+                    assert "--tls-dir=/etc/baton/tls" in command and arg(c, "--tls-dir") == "/etc/baton/tls"
+                else:
+                    assert probe["grpc"]["port"] == port and arg(c, "--tls-dir") is None
         startup = c["startupProbe"]
         if comp in POOLS:
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "too short for a model load"
@@ -594,7 +600,7 @@ def test_autoscaler_role_is_exactly_what_the_scaler_calls(values: str, actuate: 
     host, port = metrics_url(arg(c, "--gateway-metrics"))
     assert services[host]["spec"]["clusterIP"] == "None" and component(services[host]) == "gateway"
     gateway_ports = pod_spec(deps["gateway"])["containers"][0]["ports"]
-    assert {"name": "http", "containerPort": port, "protocol": "TCP"} in gateway_ports
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in gateway_ports  # no key there
     host, port = metrics_url(arg(c, "--scheduler-metrics"))
     assert component(services[host]) == "scheduler"
     assert {"name": "metrics", "port": port, "targetPort": "metrics", "protocol": "TCP"} in services[host][
@@ -706,12 +712,15 @@ def test_network_policies_limit_who_reaches_what() -> None:
     assert reach["redis"] == {frozenset({"scheduler", "workers"}): {"redis"}}
     assert reach["scheduler"][frozenset({"gateway", "workers"})] == {"grpc"}
     assert reach["scheduler"][frozenset({"prometheus", "autoscaler"})] == {"metrics"}
-    assert reach["gateway"] == {frozenset({"*"}): {"http", "grpc"}}
+    assert reach["gateway"] == {
+        frozenset({"*"}): {"http", "grpc"},
+        frozenset({"prometheus", "autoscaler"}): {"metrics"},  # the port without a key: scrapes only
+    }
     assert reach["autoscaler"] == {frozenset({"prometheus"}): {"metrics"}}
     # Restricted, the gateway still answers the scrapes.
     full = {component(p): p["spec"] for p in objects(render(("full-values.yaml",)), "NetworkPolicy").values()}
     rules = {frozenset(peers_of(r)): rule_ports(r) for r in full["gateway"]["ingress"]}
-    assert rules[frozenset({"prometheus", "autoscaler"})] == {"http"}
+    assert rules[frozenset({"prometheus", "autoscaler"})] == {"metrics"}
     assert not objects(render(("minimal-values.yaml",), ("networkPolicy.enabled=false",)), "NetworkPolicy")
 
 
@@ -760,3 +769,29 @@ def test_toggles_remove_their_objects() -> None:
     none = render(("minimal-values.yaml",), ("serviceAccount.create=false", "serviceAccount.name=ops"))
     assert not objects(none, "ServiceAccount")
     assert {pod_spec(d)["serviceAccountName"] for d in deployments(none).values()} == {"ops"}
+
+
+def test_security_keys_by_default_and_tls_and_key_files_from_secrets() -> None:
+    """By default the gateway requires API keys (the scheduler keeps no default tenant) and serves its
+    metrics on a port of its own; with a TLS Secret every Baton container gets it as --tls-dir (read-only,
+    mode 0400) and the clients check the configured name; the keys file reaches only the scheduler."""
+    plain = {comp: c for comp, c in baton_containers(render(("minimal-values.yaml",)))}
+    assert "--require-api-key" in plain["gateway"]["args"] and arg(plain["gateway"], "--metrics-port")
+    assert arg(plain["scheduler"], "--default-tenant") == ""
+    assert all(arg(c, "--tls-dir") is None for c in plain.values())
+    docs = render(("full-values.yaml",))
+    secured = dict(baton_containers(docs))
+    assert {"gateway", "scheduler", "prefill", "decode"} <= set(secured)
+    deps = deployments(docs)
+    for comp in ("gateway", "scheduler", "prefill", "decode"):
+        c = secured[comp]
+        assert arg(c, "--tls-dir") == "/etc/baton/tls" and arg(c, "--tls-server-name") == "baton.inference.svc"
+        assert {"name": "tls", "mountPath": "/etc/baton/tls", "readOnly": True} in c["volumeMounts"]
+        volumes = {v["name"]: v for v in pod_spec(deps[comp])["volumes"]}
+        assert volumes["tls"]["secret"] == {"secretName": "baton-tls", "defaultMode": 0o400}
+        assert (arg(c, "--api-keys-file") is not None) == (comp == "scheduler")
+    assert arg(secured["scheduler"], "--api-keys-file") == "/etc/baton/api-keys/api-keys"
+    keys = {v["name"]: v for v in pod_spec(deps["scheduler"])["volumes"]}["api-keys"]
+    assert keys["secret"]["secretName"] == "baton-api-keys"
+    off = dict(baton_containers(render(("minimal-values.yaml",), ("security.requireApiKey=false",))))
+    assert "--require-api-key" not in off["gateway"]["args"] and arg(off["scheduler"], "--default-tenant") is None

@@ -326,3 +326,59 @@ lifecycle:
         operator: In
         values: [prefill, decode]
 {{- end }}
+
+{{/* --tls-dir (and --tls-server-name) of every Baton process, when security.tls.secretName is set. */}}
+{{- define "baton.tlsArgs" -}}
+{{- $t := .Values.security.tls }}
+{{- if $t.secretName }}
+- --tls-dir=/etc/baton/tls
+{{- with $t.serverName }}
+- --tls-server-name={{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The TLS Secret's mount (a container's volumeMounts item), when there is one. */}}
+{{- define "baton.tlsMount" -}}
+{{- if .Values.security.tls.secretName }}
+- name: tls
+  mountPath: /etc/baton/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The TLS Secret as a volume (spec.volumes item), when there is one. */}}
+{{- define "baton.tlsVolume" -}}
+{{- with .Values.security.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+{{- end }}
+{{- end }}
+
+{{/*
+Probes of a gRPC port: with mutual TLS the kubelet's gRPC probe cannot show a certificate, so startup
+and readiness run `baton health` in the container (over mutual TLS with the pod's own certificate);
+liveness only opens the port either way.
+*/}}
+{{- define "baton.probes" -}}
+{{- if .root.Values.security.tls.secretName }}
+{{- $cmd := list "baton" "health" (printf "127.0.0.1:%d" (int .port)) "--tls-dir=/etc/baton/tls" }}
+{{- with .root.Values.security.tls.serverName }}{{ $cmd = append $cmd (printf "--tls-server-name=%s" .) }}{{ end }}
+startupProbe:
+  exec:
+    command: {{ toJson $cmd }}
+  {{- toYaml .probes.startup | nindent 2 }}
+readinessProbe:
+  exec:
+    command: {{ toJson $cmd }}
+  {{- toYaml .probes.readiness | nindent 2 }}
+livenessProbe:
+  tcpSocket:
+    port: {{ .port }}
+  {{- toYaml .probes.liveness | nindent 2 }}
+{{- else }}
+{{- include "baton.grpcProbes" . }}
+{{- end }}
+{{- end }}
