@@ -72,6 +72,8 @@ class ShmTransport:
         self._sock_path = directory / f"{stem}.sock"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(str(self._sock_path))
+        # Same host, same user: another user can neither send this worker a release nor read its cache.
+        os.chmod(self._sock_path, 0o600)
         self._sock.setblocking(False)
         self._cache: torch.Tensor | None = None
         self._peers: dict[str, tuple[PeerHeader, np.memmap[Any, Any]]] = {}
@@ -82,7 +84,8 @@ class ShmTransport:
         if kv_cache.is_cuda:
             raise ValueError("the shm KV transport serves host memory only")
         nbytes = kv_cache.numel() * kv_cache.element_size()
-        with open(self._file, "wb") as f:
+        fd = os.open(self._file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # only this user may map it
+        with os.fdopen(fd, "wb") as f:
             f.truncate(nbytes)
         shared = torch.from_file(str(self._file), shared=True, size=kv_cache.numel(), dtype=kv_cache.dtype)
         shared = shared.view(kv_cache.shape)

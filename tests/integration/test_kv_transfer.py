@@ -406,3 +406,24 @@ def test_an_idle_worker_with_the_transport_up_does_not_spin(tiny_llama: Path, ba
         assert share < 0.05, f"idle {backend} worker used {share:.1%} of a core"
     finally:
         prefill.stop()
+
+
+def test_shm_files_are_readable_by_their_user_only(tmp_path: Path) -> None:
+    """The shm backend's cache file and notification socket: mode 0600, so another user on the host can
+    neither map a worker's KV cache nor send it a release."""
+    import stat
+
+    from kv_transfer.handle import KVLayout
+    from kv_transfer.shm_transport import ShmTransport
+
+    layout = KVLayout(
+        num_layers=1, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32", model_digest="d"
+    )
+    transport = ShmTransport("mode-check", layout, tmp_path)
+    try:
+        transport.register(torch.zeros(4, layout.block_bytes // 4))
+        for path in tmp_path.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        assert len(list(tmp_path.iterdir())) == 2
+    finally:
+        transport.close()
