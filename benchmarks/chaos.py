@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.report import REPO_ROOT
-from benchmarks.soak import Soak, run
+from benchmarks.soak import OUTPUT_LENS, PROMPT_LENS, Soak, run
 
 DEFAULT_PATH = REPO_ROOT / "docs" / "RELIABILITY.md"
 # What each module injects (its tests' docstrings say what must hold).
@@ -112,8 +112,9 @@ def _soak_lines(soak: Soak) -> list[str]:
     out = [
         "## Soak",
         "",
-        f"{soak.requests} requests over {soak.minutes:g} minutes from two tenants (prompts 8–160 tokens, "
-        f"outputs 2–40, 5% cancelled by their client after the first token): {soak.completed} completed, "
+        f"{soak.requests} requests over {soak.minutes:g} minutes from two tenants (prompts "
+        f"{PROMPT_LENS[0]}–{PROMPT_LENS[1]} tokens, outputs {OUTPUT_LENS[0]}–{OUTPUT_LENS[1]}, 5% cancelled "
+        "by their client after the first token; the default model, P and D on a core each): {soak.completed} completed, "
         f"{soak.cancelled} cancelled, errors: {errors}. Resident memory and descriptors sampled every 15 s; "
         "the slope is least squares over the last three quarters of the run.",
         "",
