@@ -456,56 +456,49 @@ def _tokens_so_far(gw: GatewayThread, rids: list[str]) -> list[int]:
     return result
 
 
-def test_the_choices_of_openai_calls_migrate_token_exactly(cluster: Cluster) -> None:
-    """OpenAI calls of n=2 seeded choices each (`OPENAI_CASES`: free text, a JSON schema, a regex, a
-    choice, echo with logprobs, a required tool call), sampled at temperature 1, all twelve choices
-    decoding on one decode worker that is killed mid-stream: each continues on the other decode worker and
-    the client gets exactly what an uninterrupted single request with that choice's seed (s + j) gives.
-    Under a schema, a regex, a choice or a required tool call, the grammar's state moves with each choice
-    (the new worker replays the tokens sent); with echo and logprobs, the prompt's logprobs came with the
-    first token and are not sent again. (One cluster, one kill, every case at once.)"""
+@pytest.mark.parametrize("case", list(OPENAI_CASES))
+def test_the_choices_of_an_openai_call_migrate_token_exactly(cluster: Cluster, case: str) -> None:
+    """An OpenAI call with n=2 seeded choices, sampled at temperature 1, both decoding on a decode worker
+    that is killed mid-stream: each choice continues on the other decode worker and the client gets
+    exactly what an uninterrupted single request with that choice's seed (s + j) gives. Under a JSON
+    schema, a regex, a choice or a required tool call, the grammar's state moves with each choice (the
+    new worker replays the tokens sent); with echo and logprobs, the prompt's logprobs came with the
+    first token and are not sent again."""
+    path, body = OPENAI_CASES[case]
     gw = cluster.start("prefill", "decode", "decode")
     _, first, second = cluster.workers
     steer(cluster, first, second)
     migrations = metric("baton_gateway_migrations_total")
-    calls = {}
-    for case, (path, body) in OPENAI_CASES.items():
-        call_id = f"mig-{case}"
-        calls[case] = harness.sse_events(
-            gw, path, {**body, "n": 2, "stream": True}, {"X-Request-Id": call_id}
-        )
-    children = [f"mig-{case}-{j}" for case in OPENAI_CASES for j in range(2)]
-    eventually(lambda: min(_tokens_so_far(gw, children)) >= 3, 60, "every choice decoding")
+    call_id = f"mig-{case}"
+    conn, events = harness.sse_events(gw, path, {**body, "n": 2, "stream": True}, {"X-Request-Id": call_id})
+    children = [f"{call_id}-0", f"{call_id}-1"]
+    eventually(lambda: min(_tokens_so_far(gw, children)) >= 3, 30, "both choices decoding")
     os.kill(first.proc.pid, signal.SIGSTOP)  # frozen until killed: the tiny model is quick
     _let_back_in(cluster)
     first.kill()
-    outputs = {}
-    for case, (conn, events) in calls.items():
-        outputs[case] = _choice_outputs(OPENAI_CASES[case][0], events)
-        conn.close()
-    assert metric("baton_gateway_migrations_total") == migrations + len(children)  # every choice moved
-    for case, (texts, usage) in outputs.items():
-        path, body = OPENAI_CASES[case]
-        assert usage is not None, case
-        for j in range(2):
-            status, _, single = http_json(gw, path, {**body, "seed": 77 + j})
-            assert status == 200, single
-            assert texts[j] == _single_output(path, single), (case, j)
-        if case == "free":
-            assert usage["completion_tokens"] == 2 * MIGRATE_TOKENS
-        if case == "json-schema":
-            for text in texts:
-                jsonschema.validate(json.loads(text), LONG_SCHEMA)
-        if case == "regex":
-            assert all(re.fullmatch("([a-z]{3}-[0-9]{2} ){60}", t) for t in texts), texts
-        if case == "choice":
-            assert set(texts) <= set(LONG_CHOICES)
-        if case == "echo-logprobs":
-            assert all(t.startswith(_prompt(3)) for t in texts)
-        if case == "tool-required":
-            assert all(t.startswith("record") for t in texts)
-            for t in texts:  # "record" then its arguments: one call each here, or several
-                assert json.loads(t.removeprefix("record").split("record")[0]) is not None
+    texts, usage = _choice_outputs(path, events)
+    conn.close()
+    assert usage is not None
+    assert metric("baton_gateway_migrations_total") == migrations + 2  # both choices moved
+    for j in range(2):
+        status, _, single = http_json(gw, path, {**body, "seed": 77 + j})
+        assert status == 200, single
+        assert texts[j] == _single_output(path, single), (case, j)
+    if case == "free":
+        assert usage["completion_tokens"] == 2 * MIGRATE_TOKENS
+    if case == "json-schema":
+        for text in texts:
+            jsonschema.validate(json.loads(text), LONG_SCHEMA)
+    if case == "regex":
+        assert all(re.fullmatch("([a-z]{3}-[0-9]{2} ){60}", t) for t in texts), texts
+    if case == "choice":
+        assert set(texts) <= set(LONG_CHOICES)
+    if case == "echo-logprobs":
+        assert all(t.startswith(_prompt(3)) for t in texts)
+    if case == "tool-required":
+        assert all(t.startswith("record") for t in texts)
+        for t in texts:  # "record" then its arguments: one call each here, or several
+            assert json.loads(t.removeprefix("record").split("record")[0]) is not None
     second.wait_all_free()
 
 
