@@ -427,27 +427,24 @@ class SchedulerRouter:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def authenticate(self, api_key: str) -> str:
-        """The tenant of ``api_key`` (`Unauthenticated` if it has none), as a Place would resolve it."""
+    async def _unary(self, method: Any, request: Any, timeout_s: float) -> Any:
+        """One unary scheduler call; its failure as the error the client sees."""
         try:
-            resp = await self._stub.Authenticate(
-                scheduler_pb2.AuthenticateRequest(api_key=api_key), timeout=REPORT_TIMEOUT_S
-            )
+            return await method(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise scheduler_error(e, self.address) from None
-        return str(resp.tenant)
+
+    async def authenticate(self, api_key: str) -> str:
+        """The tenant of ``api_key`` (`Unauthenticated` if it has none), as a Place would resolve it."""
+        request = scheduler_pb2.AuthenticateRequest(api_key=api_key)
+        return str((await self._unary(self._stub.Authenticate, request, REPORT_TIMEOUT_S)).tenant)
 
     async def list_versions(
         self, model: str = "", timeout_s: float = 5.0
     ) -> list[scheduler_pb2.ModelVersion]:
         """The model versions the scheduler knows, with their healthy worker counts."""
-        try:
-            resp = await self._stub.ListModelVersions(
-                scheduler_pb2.ListModelVersionsRequest(model=model), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError as e:
-            raise scheduler_error(e, self.address) from None
-        return list(resp.versions)
+        request = scheduler_pb2.ListModelVersionsRequest(model=model)
+        return list((await self._unary(self._stub.ListModelVersions, request, timeout_s)).versions)
 
     async def close(self) -> None:
         if self._background:
