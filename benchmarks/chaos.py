@@ -114,7 +114,8 @@ def _soak_lines(soak: Soak) -> list[str]:
         "",
         f"{soak.requests} requests over {soak.minutes:g} minutes from two tenants (prompts "
         f"{PROMPT_LENS[0]}–{PROMPT_LENS[1]} tokens, outputs {OUTPUT_LENS[0]}–{OUTPUT_LENS[1]}, 5% cancelled "
-        "by their client after the first token; the default model, P and D on a core each): {soak.completed} completed, "
+        "by their client after the first token; the default model, P and D on a core each): "
+        f"{soak.completed} completed, "
         f"{soak.cancelled} cancelled, errors: {errors}. Resident memory and descriptors sampled every 15 s; "
         "the slope is least squares over the last three quarters of the run.",
         "",
@@ -136,7 +137,8 @@ def _soak_lines(soak: Soak) -> list[str]:
         *(f"- {worker} worker: {state}" for worker, state in soak.idle_free.items()),
         f"- Redis: {before} keys before the load; {soak.keys_at_idle} right after it (finished leases and "
         f"cancels are kept for their retention windows, the longest {soak.max_ttl_s:.0f} s); {after} once "
-        f"those expired. Keys added without an expiry: {lasting}.",
+        f"those expired. Keys added without an expiry: {lasting} (a fixed few of per-model fair-queue "
+        "state, created the first time a request waits, are not per request).",
         "",
     ]
     return out
