@@ -785,7 +785,9 @@ def test_security_keys_by_default_and_tls_and_key_files_from_secrets() -> None:
     deps = deployments(docs)
     for comp in ("gateway", "scheduler", "prefill", "decode"):
         c = secured[comp]
-        assert arg(c, "--tls-dir") == "/etc/baton/tls" and arg(c, "--tls-server-name") == "baton.inference.svc"
+        assert (
+            arg(c, "--tls-dir") == "/etc/baton/tls" and arg(c, "--tls-server-name") == "baton.inference.svc"
+        )
         assert {"name": "tls", "mountPath": "/etc/baton/tls", "readOnly": True} in c["volumeMounts"]
         volumes = {v["name"]: v for v in pod_spec(deps[comp])["volumes"]}
         assert volumes["tls"]["secret"] == {"secretName": "baton-tls", "defaultMode": 0o400}
@@ -794,4 +796,7 @@ def test_security_keys_by_default_and_tls_and_key_files_from_secrets() -> None:
     keys = {v["name"]: v for v in pod_spec(deps["scheduler"])["volumes"]}["api-keys"]
     assert keys["secret"]["secretName"] == "baton-api-keys"
     off = dict(baton_containers(render(("minimal-values.yaml",), ("security.requireApiKey=false",))))
-    assert "--require-api-key" not in off["gateway"]["args"] and arg(off["scheduler"], "--default-tenant") is None
+    assert (
+        "--require-api-key" not in off["gateway"]["args"]
+        and arg(off["scheduler"], "--default-tenant") is None
+    )
