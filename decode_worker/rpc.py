@@ -42,15 +42,22 @@ class DecodeRPC:
         peer = request.handle.source if pulled else ""
         num_bytes = 0
         try:
-            if pulled:
-                num_bytes = await self._start_pull(rid, ids, request)
-            else:
-                resume = list(request.resume_token_ids)
-                await shell.call(
-                    lambda e: e.add_request(
-                        rid, ids, params, cache_salt=request.cache_salt, resume_token_ids=resume
+            try:
+                if pulled:
+                    num_bytes = await self._start_pull(rid, ids, request)
+                else:
+                    resume = list(request.resume_token_ids)
+                    await shell.call(
+                        lambda e: e.add_request(
+                            rid, ids, params, cache_salt=request.cache_salt, resume_token_ids=resume
+                        )
                     )
-                )
+            except ServingError:
+                # Refused before it entered the engine (e.g. the prefill worker's metadata could not be
+                # fetched): nothing to abort, and its id is free at once, so the gateway's retry of the
+                # same request here is not refused as a reuse.
+                finished = True
+                raise
             t_first: float | None = None
             queue_s = transfer_s = 0.0
             while not finished:

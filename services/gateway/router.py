@@ -262,8 +262,12 @@ class CallStream:
                     batch.calls.append(more)
                 yield batch
 
+        try:
+            stream = self._stub.Calls(calls())
+        except grpc.aio.UsageError:  # the channel is closed: this gateway is going away
+            raise SchedulerLost(f"the channel to the scheduler {self.address} is closed") from None
         self._outbox = outbox
-        self._reader = asyncio.get_running_loop().create_task(self._read(self._stub.Calls(calls()), outbox))
+        self._reader = asyncio.get_running_loop().create_task(self._read(stream, outbox))
         return outbox
 
     async def _read(
