@@ -39,6 +39,16 @@ class Unauthenticated(ServingError):
     error_type = "authentication_error"
 
 
+class DuplicateRequest(ServingError):
+    """A first placement of a request id that is already in flight in the cluster (e.g. re-sent by a
+    client after its gateway died while the first one ran): refused, never generated twice silently.
+    Send it again with a new id."""
+
+    grpc_code = "ALREADY_EXISTS"
+    http_status = 409
+    error_type = "duplicate_request"
+
+
 class ModelNotFound(ServingError):
     """The requested model name or version does not exist."""
 
@@ -98,6 +108,14 @@ class SchedulerLost(Unavailable):
     """The connection to the scheduler broke before it answered a call (the replica died or stopped):
     the call may be sent again, to another replica — a Place is idempotent per request id (its quota
     is charged once)."""
+
+
+class WorkerFenced(WorkerLost):
+    """A call meant for an earlier registration of a worker: the registry evicted that one (it missed
+    its heartbeats: hung, partitioned) and the worker gave up its work when it came back. The caller
+    goes on elsewhere, as for a lost worker."""
+
+    error_type = "worker_fenced"
 
 
 class WorkerDraining(WorkerLost):

@@ -32,7 +32,9 @@ class DecodeRPC:
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
         shell, handoff = self.shell, self.handoff
-        rid, ids, params = shell.parse(request.request_id, request.prompt_token_ids, request.sampling)
+        rid, ids, params = shell.parse(
+            request.request_id, request.prompt_token_ids, request.sampling, request.epoch
+        )
         t0 = time.monotonic()
         await shell.compile_constraint(params)
         stream = shell.open_stream(rid)

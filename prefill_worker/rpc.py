@@ -25,7 +25,9 @@ class PrefillRPC:
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         shell, handoff = self.shell, self.handoff
-        rid, ids, params = shell.parse(request.request_id, request.prompt_token_ids, request.sampling)
+        rid, ids, params = shell.parse(
+            request.request_id, request.prompt_token_ids, request.sampling, request.epoch
+        )
         t0 = time.monotonic()
         await shell.compile_constraint(params)
         stream = shell.open_stream(rid)

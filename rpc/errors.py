@@ -25,6 +25,7 @@ import grpc
 from baton.v1 import common_pb2
 from core.errors import (
     CapacityExceeded,
+    DuplicateRequest,
     InvalidRequest,
     ModelNotFound,
     RequestAborted,
@@ -46,6 +47,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ServingError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
     grpc.StatusCode.NOT_FOUND: ModelNotFound,
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateRequest,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceeded,
     grpc.StatusCode.CANCELLED: RequestAborted,
     grpc.StatusCode.DEADLINE_EXCEEDED: RequestAborted,  # the deadline the caller set (its request's) passed

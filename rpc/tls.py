@@ -25,6 +25,8 @@ from pathlib import Path
 
 import grpc
 
+from rpc.liveness import CLIENT_OPTIONS
+
 CERT, KEY, CA = "tls.crt", "tls.key", "ca.crt"
 Options = Sequence[tuple[str, int | str]]
 
@@ -104,8 +106,10 @@ def target(address: str) -> tuple[str, Options]:
 
 def _dial(address: str, tls: Tls | None, options: Options) -> tuple[str, list[tuple[str, int | str]]]:
     dialled, names = target(address)
+    given = {name for name, _ in options}  # a hung or cut-off peer is noticed (rpc.liveness)
+    options = [*(o for o in CLIENT_OPTIONS if o[0] not in given), *options]
     if tls is None:
-        return dialled, [*options]
+        return dialled, options
     return dialled, [*options, *(tls._name_option or names)]
 
 

@@ -156,7 +156,12 @@ def flagged(c: scheduler_pb2.ShadowComparison, min_top1: float, max_kl: float) -
 
 def add_tenants_parser(sub: Any) -> None:
     p = sub.add_parser("tenants", help="add tenants and API keys (in the cluster's Redis)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="the cluster's Redis: redis://[USER:PASSWORD@]HOST:PORT/DB, rediss://... (TLS) or "
+        "redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB] (docs/SECURITY.md)",
+    )
     cmds = p.add_subparsers(dest="tenants_command", required=True)
     add = cmds.add_parser("add", help="create or replace a tenant")
     add.add_argument("name")
@@ -185,11 +190,16 @@ def _run_tenants(args: argparse.Namespace) -> int:
 
 
 async def _tenants(args: argparse.Namespace) -> int:
-    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
 
+    from rpc.redis_url import BadRedisUrl, async_client, redact
     from scheduler.tenants import TenantConfig, TenantDirectory
 
-    client = aioredis.Redis.from_url(args.redis_url, decode_responses=True)
+    try:
+        client = async_client(args.redis_url)
+    except BadRedisUrl as e:
+        print(f"baton tenants: {e}", file=sys.stderr)
+        return 2
     directory = TenantDirectory(client)
     try:
         if args.tenants_command == "add":
@@ -205,6 +215,12 @@ async def _tenants(args: argparse.Namespace) -> int:
             print(json.dumps(json.loads(tenant.to_json()), sort_keys=True))
     except ValueError as e:
         print(f"baton tenants: {e}", file=sys.stderr)
+        return 2
+    except RedisError as e:  # a wrong password, an unreachable Redis: said, not a traceback
+        print(
+            f"baton tenants: cannot use Redis at {redact(args.redis_url)}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         return 2
     finally:
         await client.aclose()

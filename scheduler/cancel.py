@@ -24,11 +24,11 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import cast
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+
+from rpc.redis_url import own_pool
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,10 @@ class CancellationBus:
 
     def _listener_client(self) -> aioredis.Redis:
         # A pool of its own with retries off: redis-py would otherwise reconnect and resubscribe inside
-        # get_message, and the gap (whose messages are lost) would go unnoticed and unreplayed.
-        pool = self._redis.connection_pool
-        kwargs: dict[str, Any] = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-        return aioredis.Redis(
-            connection_pool=aioredis.ConnectionPool(
-                connection_class=pool.connection_class, max_connections=2, **kwargs
-            )
-        )
+        # get_message, and the gap (whose messages are lost) would go unnoticed and unreplayed. On the
+        # same server as the bus's client (for a Sentinel URL: the master of the moment, asked again on
+        # each reconnect, so a failover is a gap like any other).
+        return own_pool(self._redis, max_connections=2, retries=0)
 
     async def _run(self, callback: CancelCallback) -> None:
         delay = self._reconnect_min_s

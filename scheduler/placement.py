@@ -58,6 +58,7 @@ class Candidate(NamedTuple):
     hit_blocks: int  # leading blocks of this request's hash chain it holds
     load_timestamp: float = 0.0  # when the worker measured this load (its heartbeat)
     placed: int = 0  # requests this replica ever placed on it: equal costs go to the least placed
+    epoch: int = 0  # its registration's: the calls the gateway makes there carry it
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
-from core.errors import CapacityExceeded, InvalidRequest, Unavailable
+from core.errors import CapacityExceeded, DuplicateRequest, InvalidRequest, Unavailable
 from core.kv_cache import hash_chain
 from scheduler import metrics
 from scheduler.config import ClusterSchedulerConfig
@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 STALLED_POLLS = 25  # a waiter that sees room this many polls in a row without its turn hands the turn on
 IN_TRANSIT_S = 0.05  # a placement counts against its worker until a load measured this long after it
+# ...or until a load measured after it has been the worker's newest for this long beyond that: a worker
+# publishes a changed load at once (every LOAD_BEAT_S = 20 ms at most, services.worker.membership) and
+# not an unchanged one, and a replica reads the registry's copy within RegistrySnapshot.max_age_s (50 ms),
+# so a load nobody replaced is still the worker's load IN_TRANSIT_S after the placement.
+LOAD_QUIET_S = 0.1
 
 
 Row = tuple[WorkerView, frozenset[str]]  # a worker in a registry snapshot, and the block hashes it holds
@@ -58,16 +63,30 @@ class RecentPlacements:
         self.blocks += blocks
         self.added += 1
 
-    def since(self, cutoff: float) -> tuple[int, int]:
-        """Forgets the placements made at or before ``cutoff``; (new blocks, requests) of the rest."""
+    def pending(self, load_at: float, now: float) -> tuple[int, int, float]:
+        """(new blocks, requests) of the placements that the worker's newest load, measured at
+        ``load_at``, may not show yet as of ``now``, and until when that stays so (inf: until another
+        load or placement). Forgets the others: those made ``IN_TRANSIT_S`` or more before that load,
+        and those made before it ``IN_TRANSIT_S + LOAD_QUIET_S`` or more ago. A worker publishes only a
+        load that changed, so a load measured after a placement that is still its newest is its load
+        ``IN_TRANSIT_S`` after the placement as well (without this, a request that came and went within
+        ``IN_TRANSIT_S`` of its placement — a short prompt on a prefill worker — would count until the
+        worker's next full heartbeat, a third of the heartbeat timeout later, and keep every waiter out)."""
         items = self._items
+        cutoff = max(load_at - IN_TRANSIT_S, min(now - IN_TRANSIT_S - LOAD_QUIET_S, _before(load_at)))
         while items and items[0][0] <= cutoff:
             self.blocks -= items.popleft()[1]
-        return self.blocks, len(items)
+        until = items[0][0] + IN_TRANSIT_S + LOAD_QUIET_S if items and items[0][0] < load_at else math.inf
+        return self.blocks, len(items), until
 
     def last_at(self) -> float:
         """When the newest placement still counted was made (0 if none is)."""
         return self._items[-1][0] if self._items else 0.0
+
+
+def _before(t: float) -> float:
+    """The largest float below ``t``: ``x <= _before(t)`` is ``x < t``."""
+    return math.nextafter(t, -math.inf)
 
 
 def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[str]:
@@ -99,8 +118,9 @@ class Decider:
         self._queue = queue
         self._client = client
         self._recent: dict[str, RecentPlacements] = {}  # worker → this replica's placements on it
-        # worker → (the view and the count of placements it was built from, its candidate without hits)
-        self._candidates: dict[str, tuple[WorkerView, int, Candidate]] = {}
+        # worker → (the view and the count of placements it was built from, until when it holds (time.time),
+        # its candidate without hits)
+        self._candidates: dict[str, tuple[WorkerView, int, float, Candidate]] = {}
         self._split: dict[
             str, tuple[list[Row], dict[str, tuple[list[Row], list[Row]]]]
         ] = {}  # see _by_version
@@ -163,7 +183,7 @@ class Decider:
         charged = (request.request_id, *request.siblings)  # a call's other choices are charged with it
         if not request.resume:
             try:
-                await self._quota.admit(
+                admission = await self._quota.admit(
                     tenant, request.request_id, len(ids), request.max_tokens, blocks_needed, request.siblings
                 )
             except (asyncio.CancelledError, RedisError):
@@ -173,6 +193,13 @@ class Decider:
                 with contextlib.suppress(RedisError):
                     await asyncio.shield(self._give_back(tenant, charged, len(ids)))
                 raise
+            if admission.already_admitted and not request.resent:
+                # The id is in flight already (its charge is that request's: nothing to give back). A
+                # client re-sending it after its gateway died must not have it generated twice.
+                raise DuplicateRequest(
+                    f"request id {request.request_id!r} is already in flight in this cluster (a gateway "
+                    "that was lost may have streamed part of it); send it again with a new id"
+                )
         try:
             placement = await self._place_or_wait(
                 model, version, tenant, request, chain, len(ids), block_size, blocks_needed
@@ -188,11 +215,13 @@ class Decider:
             version=version,
             cache_salt=salt,
             decode_worker=placement.decode.address,
+            decode_epoch=placement.decode.epoch,
             prefix_hit_blocks=placement.decode.hit_blocks,
             lease_ttl_s=self._config.lease_ttl_s,
         )
         if placement.prefill is not None:
             resp.prefill_worker = placement.prefill.address
+            resp.prefill_epoch = placement.prefill.epoch
         await self._add_shadow(resp, model, request.request_id, shadow)
         return resp
 
@@ -229,26 +258,31 @@ class Decider:
         chain's first block can hold any of its leading blocks, so only those are searched further."""
         first = chain[0] if chain else ""
         pool = []
+        now = time.time()
         for view, held in rows:
-            c = self._candidate(view)
+            c = self._candidate(view, now)
             if first in held:
                 c = c._replace(hit_blocks=leading_hits(held, chain))
             pool.append(c)
         return pool
 
-    def _candidate(self, view: WorkerView) -> Candidate:
+    def _candidate(self, view: WorkerView, now: float) -> Candidate:
         """A worker's load as of its last heartbeat, plus what this replica placed on it since: without
         that, every request of a burst would see the same idle worker and pile onto it. A placement
         counts until a load measured ``IN_TRANSIT_S`` after it (the request reaches the worker through
-        the gateway, so a load measured just after the placement may not show it yet). Kept until the
-        worker's load or this replica's placements on it change: a decision rebuilds only those."""
+        the gateway, so a load measured just after the placement may not show it yet), or until a load
+        measured after it has stood unreplaced that long and ``LOAD_QUIET_S`` more (`RecentPlacements.pending`).
+        Kept until the worker's load or this replica's placements on it change, or such a placement
+        stops counting: a decision rebuilds only those."""
         r, load = view.record, view.load
         recent = self._recent.get(r.address)
         added = recent.added if recent is not None else 0
         kept = self._candidates.get(r.address)
-        if kept is not None and kept[0] is view and kept[1] == added:
-            return kept[2]
-        blocks, requests = recent.since(load.timestamp - IN_TRANSIT_S) if recent is not None else (0, 0)
+        if kept is not None and kept[0] is view and kept[1] == added and now < kept[2]:
+            return kept[3]
+        blocks, requests, until = (
+            recent.pending(load.timestamp, now) if recent is not None else (0, 0, math.inf)
+        )
         c = Candidate(
             r.address,
             r.role,
@@ -260,8 +294,9 @@ class Decider:
             0,
             load.timestamp,
             added,
+            view.epoch,
         )
-        self._candidates[r.address] = (view, added, c)
+        self._candidates[r.address] = (view, added, until, c)
         return c
 
     def forget_gone_workers(self) -> None:

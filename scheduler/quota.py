@@ -14,7 +14,8 @@ Keys, per tenant (the ``{tenant}`` hash tag keeps one tenant's keys in one Redis
 
 Concurrency is the size of ``inflight``. A request that is never finished (its gateway died) drops out
 when its expiry passes: every script first prunes expired entries and gives back their KV blocks, so a
-crash costs the tenant capacity for at most ``request_ttl_s``.
+crash costs the tenant capacity for at most ``request_ttl_s`` — and for much less once the scheduler
+sees that gateway go (`orphan`, called by `scheduler.calls.serve_calls`).
 """
 
 from __future__ import annotations
@@ -152,6 +153,22 @@ return refund
 """
 )
 
+# ARGV: now, retention_s, then the request ids. Brings each one's expiry forward to now + retention_s,
+# never later than it was (LT), and only for an id still in flight (XX): its gateway is gone.
+_ORPHAN = (
+    _LIB
+    + """
+local now = clock(ARGV[1])
+prune(now)
+local expiry = num(now + tonumber(ARGV[2]))
+local changed = 0
+for i = 3, #ARGV do
+  changed = changed + redis.call('ZADD', KEYS[2], 'XX', 'LT', 'CH', expiry, ARGV[i])
+end
+return changed
+"""
+)
+
 # ARGV: now, rrate, rcap, trate, tcap
 _USAGE = (
     _LIB
@@ -218,6 +235,7 @@ class QuotaLedger:
         self._finish = register_script(client, pipe, _FINISH)
         self._claim = register_script(client, pipe, _CLAIM)
         self._usage = client.register_script(_USAGE)
+        self._orphan = client.register_script(_ORPHAN)
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self._prefix}quota:{{{tenant}}}:"
@@ -363,6 +381,22 @@ class QuotaLedger:
             ],
         )
         return None if int(refund) < 0 else int(refund)
+
+    async def orphan(self, tenant: str, request_ids: Sequence[str], retention_s: float) -> int:
+        """Requests of tenant ``tenant`` (its name) that their gateway placed and will never finish (it
+        is gone): each one still in flight now expires ``retention_s`` from now instead of at the end of
+        the request TTL — unless it expires sooner already. Until then it keeps its slot and KV blocks,
+        and a first placement of the same id is still refused as a duplicate; then both are given back
+        (its tokens, likely served, are not). A later `finish` of one is as idempotent as ever. Returns
+        how many expiries were brought forward."""
+        if retention_s < 0:
+            raise ValueError("retention_s must not be negative")
+        if not request_ids:
+            return 0
+        changed = await self._orphan(
+            keys=self._keys(tenant), args=[self._now(), repr(retention_s), *request_ids]
+        )
+        return int(changed)
 
     async def usage(self, tenant: TenantConfig) -> TenantUsage:
         reply = await self._usage(

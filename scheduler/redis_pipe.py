@@ -18,8 +18,11 @@ What it keeps of redis-py's behaviour, so callers handle failures the same way:
 * replies are decoded as UTF-8 strings (``decode_responses=True``).
 
 A caller cancelled while its reply is on the way loses nothing: the reply is read in its turn and
-dropped, and the connection stays in step. Only ``redis://`` and ``unix://`` URLs are served
-(`supports`); other schemes (TLS) stay on redis-py.
+dropped, and the connection stays in step. ``redis://``, ``unix://`` and ``redis+sentinel://`` URLs
+are served (`supports`; `rpc.redis_url` reads them); TLS (``rediss://``) stays on redis-py. With a
+sentinel URL each new connection goes to the master the sentinels name at that moment, and a reply
+saying the server is a read-only replica now (the master it was connected to was demoted) closes the
+connection like a drop: the next call finds the new master.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 from redis import exceptions as rx  # not the builtins of the same names
-from redis.connection import parse_url
 
 from core.expiry import Expired, expire_later
+from rpc.redis_url import MasterLocator, parse_redis_url
 
 _Waiter = asyncio.Future[Any]
+# The error a write gets from a replica: the master this connection went to was demoted.
+_READ_ONLY = "READONLY You can't write against a read only replica"
 Script = Callable[..., Awaitable[Any]]  # called as script(keys=[...], args=[...])
 
 
@@ -120,19 +125,23 @@ class RedisPipe:
     (pub/sub, scans, pipelines of many commands)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0, connect_timeout_s: float = 2.0) -> None:
+        target = parse_redis_url(url)  # a malformed URL: ValueError naming the problem
         if not self.supports(url):
-            raise ValueError(f"RedisPipe serves redis:// and unix:// URLs, not {url!r}")
-        self.url = url
+            raise ValueError(
+                f"RedisPipe serves redis:// and unix:// URLs (and redis+sentinel://), not {target.redacted!r}"
+            )
+        self.url = target.redacted  # for messages: no password
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py, untyped
+        self._target = target
+        self._locator = MasterLocator(target, connect_timeout_s)
         self._protocol: _Protocol | None = None
         self._opening: asyncio.Future[_Protocol] | None = None  # the connection attempt under way
         self._closed = False
 
     @staticmethod
     def supports(url: str) -> bool:
-        return url.startswith(("redis://", "unix://"))
+        return url.startswith(("redis://", "unix://", "redis+sentinel://"))
 
     async def execute(self, *args: str | int | float | bytes) -> Any:
         """One command's reply (``execute("GET", "key")``)."""
@@ -156,6 +165,7 @@ class RedisPipe:
         if self._protocol is not None:
             self._protocol.close(rx.ConnectionError("the pipe was closed"))
             self._protocol = None
+        await self._locator.aclose()
 
     async def _send(self, protocol: _Protocol, args: tuple[Any, ...]) -> Any:
         assert protocol.transport is not None
@@ -176,6 +186,11 @@ class RedisPipe:
             # Redis did not answer in time: later replies cannot be trusted to come; start afresh.
             protocol.close(rx.TimeoutError(f"Redis did not answer in {self.timeout_s:g} s"))
             raise rx.TimeoutError(f"Redis did not answer {args[0]} in {self.timeout_s:g} s") from None
+        except rx.ResponseError as e:
+            if self._target.is_sentinel and _READ_ONLY in str(e):  # demoted by a failover
+                protocol.close(rx.ConnectionError("the Redis master became a replica"))
+                raise rx.ConnectionError(f"the Redis master became a replica (a failover): {e}") from None
+            raise
         finally:
             timer.cancel()
 
@@ -196,21 +211,28 @@ class RedisPipe:
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
-        o = self._options
+        t = self._target
+        where = self.url
         try:
-            if "path" in o:
-                opening = loop.create_unix_connection(_Protocol, o["path"])
+            if t.path:
+                opening = loop.create_unix_connection(_Protocol, t.path)
             else:
-                opening = loop.create_connection(_Protocol, o.get("host", "localhost"), o.get("port", 6379))
+                host, port = await self._locator.address()  # a sentinel URL: the master of the moment
+                if t.is_sentinel:
+                    where = f"{host}:{port} (the master of {self.url})"
+                opening = loop.create_connection(_Protocol, host, port)
             _, protocol = await asyncio.wait_for(opening, self.connect_timeout_s)
         except (OSError, TimeoutError) as e:  # the builtins
-            raise rx.ConnectionError(f"cannot reach Redis at {self.url}: {e or type(e).__name__}") from None
+            raise rx.ConnectionError(f"cannot reach Redis at {where}: {e or type(e).__name__}") from None
         try:
-            if o.get("password"):
-                auth = (o["username"], o["password"]) if o.get("username") else (o["password"],)
-                await self._send(protocol, ("AUTH", *auth))
-            if o.get("db"):
-                await self._send(protocol, ("SELECT", o["db"]))
+            if t.password is not None:
+                auth = (t.username, t.password) if t.username is not None else (t.password,)
+                try:
+                    await self._send(protocol, ("AUTH", *auth))
+                except rx.ResponseError as e:  # as redis-py says it: a ConnectionError, not a reply
+                    raise rx.AuthenticationError(f"Redis at {where} refused the login: {e}") from None
+            if t.db:
+                await self._send(protocol, ("SELECT", t.db))
         except BaseException:
             protocol.close(rx.ConnectionError("the connection's set-up failed"))
             raise

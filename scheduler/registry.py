@@ -8,6 +8,10 @@ placement (no scheduler has to notice it died). Keys, with the default prefix ``
 * ``baton:worker:{id}`` — HASH: the `WorkerRecord`, the last `WorkerLoad`, and the scheduler's drain flag.
   TTL = heartbeat timeout.
 * ``baton:prefix:{id}`` — SET of the block hashes (hex) in the worker's prefix cache. Same TTL.
+* ``baton:workers:epoch`` — a counter: every registration gets the next value as its *epoch*. A
+  heartbeat names the epoch it belongs to; one of a superseded or evicted registration is refused, and
+  the worker is fenced (it gives up the work it held, then registers again): a worker that hung or was
+  partitioned past its heartbeat timeout never carries on as though nothing happened.
 
 Scripts build per-worker keys from the prefix, so this assumes one Redis (or primary/replica), not Cluster.
 """
@@ -31,27 +35,31 @@ WorkerRole = Literal["prefill", "decode", "both"]
 ROLES: frozenset[str] = frozenset({"prefill", "decode", "both"})
 
 # KEYS[4] is a counter: every change of a worker's prefix set gets a new ``prefix_gen``, so a
-# scheduler's local copy re-reads only the sets that changed (RegistrySnapshot).
+# scheduler's local copy re-reads only the sets that changed (RegistrySnapshot). KEYS[5]: the epoch
+# counter; the registration's epoch is the reply.
 _REGISTER = """
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-redis.call('HSET', KEYS[1], 'prefix_gen', redis.call('INCR', KEYS[4]))
+local epoch = redis.call('INCR', KEYS[5])
+redis.call('HSET', KEYS[1], 'prefix_gen', redis.call('INCR', KEYS[4]), 'epoch', epoch)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
-return 1
+return epoch
 """
 
-# KEYS: worker hash, prefix set. ARGV: ttl_ms, replace ("1"/"0"), number of load fields*2, fields…, hashes…
+# KEYS: worker hash, prefix set. ARGV: ttl_ms, replace ("1"/"0"), number of load fields*2, epoch ("0":
+# any), fields…, hashes… A heartbeat of another epoch than the record's is refused like an expired one.
 # Lua's unpack() fails past a few thousand values, so the hashes go in with SADDs of 1000.
 _HEARTBEAT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[4] ~= '0' and redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[4] then return 0 end
 local nfields = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4, 3 + nfields))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5, 4 + nfields))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if ARGV[2] == '1' then
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[1], 'prefix_gen', redis.call('INCR', KEYS[3]))
-  local first = 4 + nfields
+  local first = 5 + nfields
   for i = first, #ARGV, 1000 do
     redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
   end
@@ -163,6 +171,7 @@ class WorkerView:
     drain_requested: bool = (
         False  # set by `WorkerRegistry.set_draining`, independent of the worker's own flag
     )
+    epoch: int = 0  # its registration's (0: registered before epochs existed)
 
     @property
     def worker_id(self) -> str:
@@ -239,7 +248,12 @@ def _parse_view(row: dict[str, str]) -> WorkerView:
         queued_tokens=int(row.get("queued_tokens", "0")),
         timestamp=float(row["timestamp"]),
     )
-    return WorkerView(record=record, load=load, drain_requested=row.get("drain_requested") == "1")
+    return WorkerView(
+        record=record,
+        load=load,
+        drain_requested=row.get("drain_requested") == "1",
+        epoch=int(row.get("epoch", "0")),
+    )
 
 
 class KnownWorker(NamedTuple):
@@ -268,6 +282,7 @@ class WorkerRegistry:
         self._ttl_ms = max(1, round(heartbeat_timeout_s * 1000))
         self._index = f"{prefix}workers"
         self._gen_key = f"{prefix}workers:prefix_gen"
+        self._epoch_key = f"{prefix}workers:epoch"
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._set_draining = client.register_script(_SET_DRAINING)
@@ -282,39 +297,46 @@ class WorkerRegistry:
 
     async def register(
         self, record: WorkerRecord, load: WorkerLoad, cached_hashes: Sequence[str] | None = None
-    ) -> None:
-        """(Re)register a worker: a new incarnation, so its prefix set and the drain flag start empty."""
+    ) -> int:
+        """(Re)register a worker: a new incarnation, so its prefix set and the drain flag start empty.
+        Returns its epoch, larger than any registration's before it."""
         fields = [*_record_fields(record), *_load_fields(load), "drain_requested", "0"]
-        await self._register(
-            keys=[
-                self._worker_key(record.worker_id),
-                self._prefix_key(record.worker_id),
-                self._index,
-                self._gen_key,
-            ],
-            args=[self._ttl_ms, record.worker_id, *fields],
+        epoch = int(
+            await self._register(
+                keys=[
+                    self._worker_key(record.worker_id),
+                    self._prefix_key(record.worker_id),
+                    self._index,
+                    self._gen_key,
+                    self._epoch_key,
+                ],
+                args=[self._ttl_ms, record.worker_id, *fields],
+            )
         )
         if cached_hashes:
-            await self.heartbeat(record.worker_id, load, cached_hashes)
+            await self.heartbeat(record.worker_id, load, cached_hashes, epoch)
         log.info(
-            "worker %s registered: role=%s model=%s version=%s blocks=%d",
+            "worker %s registered: role=%s model=%s version=%s blocks=%d epoch=%d",
             record.worker_id,
             record.role,
             record.model,
             record.version,
             record.num_blocks,
+            epoch,
         )
+        return epoch
 
     async def heartbeat(
-        self, worker_id: str, load: WorkerLoad, cached_hashes: Sequence[str] | None = None
+        self, worker_id: str, load: WorkerLoad, cached_hashes: Sequence[str] | None = None, epoch: int = 0
     ) -> bool:
         """Refresh the worker's TTL and load; with ``cached_hashes`` also replace its published prefix set.
 
-        Returns False if the worker is unknown or expired: it must `register` again.
+        Returns False if the worker is unknown or expired, or ``epoch`` (0: any) is not its current
+        registration's: it must `register` again.
         """
         fields = _load_fields(load)
         replace = cached_hashes is not None
-        args: list[str | int] = [self._ttl_ms, "1" if replace else "0", len(fields), *fields]
+        args: list[str | int] = [self._ttl_ms, "1" if replace else "0", len(fields), str(epoch), *fields]
         if cached_hashes:
             args.extend(cached_hashes)
         ok = await self._heartbeat(

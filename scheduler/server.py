@@ -6,20 +6,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
-from redis.asyncio.retry import Retry  # not redis.retry.Retry: that one cannot retry a coroutine
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
 from rpc.flags import add_flags, config_from_args
+from rpc.liveness import SERVER_OPTIONS
 from rpc.metrics import Forward, MetricsEndpoint
+from rpc.redis_url import BadRedisUrl, async_client, parse_redis_url, redact
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
 from rpc.tls import add_port
@@ -58,18 +58,17 @@ class SchedulerServer:
             await self.pipe.close()
 
 
+class RedisUnusable(RuntimeError):
+    """The replica could not start: its Redis refused the login, or could not be reached."""
+
+
 def redis_client(url: str) -> aioredis.Redis:
-    """The replica's redis-py client (everything but the per-request scripts, which use `RedisPipe`).
-    A command whose connection was dropped is retried once on a new connection: after a Redis restart
-    the pool's idle connections are dead, and without it (from_url sets no retry) the first command on
-    each would fail. Timeouts are not retried: a hung Redis must show within the 2 s socket timeout."""
-    return aioredis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=2.0,
-        socket_connect_timeout=2.0,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-    )
+    """The replica's redis-py client (everything but the per-request scripts, which use `RedisPipe`),
+    from any URL `rpc.redis_url` reads (ACL user, TLS, Sentinel). A command whose connection was dropped
+    is retried once on a new connection: after a Redis restart or failover the pool's idle connections
+    are dead, and without it the first command on each would fail. Timeouts are not retried: a hung
+    Redis must show within the 2 s socket timeout."""
+    return async_client(url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0, retries=1)
 
 
 async def read_cluster_state(servicer: SchedulerServicer) -> metrics.ClusterState:
@@ -107,12 +106,20 @@ async def serve_scheduler(
     from grpc_health.v1._async import HealthServicer
     from grpc_reflection.v1alpha import reflection
 
-    client = redis_client(config.redis_url)
+    client = redis_client(config.redis_url)  # a malformed URL: ValueError, before anything starts
     # The per-request quota scripts on a pipelined connection of their own (scheduler.redis_pipe).
     pipe = RedisPipe(config.redis_url, timeout_s=2.0) if RedisPipe.supports(config.redis_url) else None
     servicer = SchedulerServicer(config, client, pipe)
-    await servicer.ensure_default_tenant()
-    server = grpc.aio.server()
+    try:  # the first Redis call: a wrong password or an unreachable Redis refuses now, saying so
+        await servicer.ensure_default_tenant()
+    except RedisError as e:
+        await client.aclose()
+        if pipe is not None:
+            await pipe.close()
+        raise RedisUnusable(
+            f"cannot use Redis at {redact(config.redis_url)}: {type(e).__name__}: {e}"
+        ) from None
+    server = grpc.aio.server(options=SERVER_OPTIONS)  # the clients' keepalive PINGs (rpc.liveness)
     port = add_port(server, f"{config.host}:{config.port}", config.tls.load())  # mutual TLS if configured
     add_servicer(
         servicer, server, pb.DESCRIPTOR.services_by_name["Scheduler"]
@@ -153,7 +160,7 @@ async def serve_scheduler(
     log.info(
         "scheduler ready on %s (redis %s, metrics %s)",
         address,
-        config.redis_url,
+        redact(config.redis_url),
         scheduler.metrics_url or "off",
     )
     return scheduler
@@ -167,7 +174,12 @@ def add_scheduler_parser(sub: Any) -> None:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     config = config_from_args(SchedulerProcessConfig, args, args.parser)
-    asyncio.run(_serve_until_signal(config.scheduler, config.metrics_port, config.metrics_max_tenants))
+    try:
+        parse_redis_url(config.scheduler.redis_url)
+        asyncio.run(_serve_until_signal(config.scheduler, config.metrics_port, config.metrics_max_tenants))
+    except (RedisUnusable, BadRedisUrl) as e:
+        print(f"baton scheduler: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
@@ -176,7 +188,7 @@ async def _serve_until_signal(
 ) -> None:
     stop = stop_requested()
     server = await serve_scheduler(config, metrics_port, max_tenants)
-    print(f"baton scheduler serving on {server.address} (redis {config.redis_url})", flush=True)
+    print(f"baton scheduler serving on {server.address} (redis {redact(config.redis_url)})", flush=True)
     if server.metrics_url:
         print(f"baton scheduler metrics on {server.metrics_url}", flush=True)
     await stop.wait()

@@ -164,7 +164,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
         self, batches: AsyncIterator[pb.SchedulerCalls], context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.SchedulerReplies, None]:
         """The same calls on one stream (`scheduler.calls.serve_calls`)."""
-        return serve_calls(batches, self._stream_handlers)
+        return serve_calls(batches, self._stream_handlers, orphans=self.quota)
 
     # ------------------------------------------------------------------ workers
     @_redis_errors_unavailable
@@ -183,11 +183,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
             w.max_model_len,
             w.kv_backend,
         )
-        await self.registry.register(record, _load(request.load))
+        epoch = await self.registry.register(record, _load(request.load))
         await self.catalog.announce(w.model, w.version)
         self.snapshot.invalidate(w.model)  # placeable at once, here; other replicas within max_age_s
         self.lookups.models_changed()
-        return pb.RegisterWorkerResponse(heartbeat_interval_s=self.config.heartbeat_timeout_s / 3)
+        return pb.RegisterWorkerResponse(
+            heartbeat_interval_s=self.config.heartbeat_timeout_s / 3, epoch=epoch
+        )
 
     @_redis_errors_unavailable
     async def Heartbeat(
@@ -195,7 +197,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):  # type: ignore[m
     ) -> pb.HeartbeatResponse:
         hashes = None if request.load_only else list(request.cached_block_hashes)
         load = _load(request.load)
-        known = await self.registry.heartbeat(request.address, load, hashes)
+        known = await self.registry.heartbeat(request.address, load, hashes, request.epoch)
         if known and self.snapshot.update_load(request.address, load):
             self.decider.load_changed()
         return pb.HeartbeatResponse(known=known)

@@ -726,3 +726,195 @@ def sse_events(
                 yield payload if payload == "[DONE]" else json.loads(payload)
 
     return conn, events()
+
+
+# --- a gateway as a process ------------------------------------------------------------------------
+
+
+class GatewayProcess(ServiceProcess):
+    """`baton gateway` placing through a scheduler, started the way a user starts it (``-v``: its log
+    says where it serves): a process of its own, so a test can SIGKILL it (`kill`) and see what its
+    clients and the cluster get, then start it again (`restart`, on the same ports, as a restarted pod
+    comes back). ``url`` and ``stub`` serve the clients above (`http_json`, `grpc_generate`) as a
+    `GatewayThread`'s do."""
+
+    def __init__(self, scheduler: str, model: Path, log_dir: Path, *flags: str) -> None:
+        self.grpc_port, self.http_port = free_port(), free_port()
+        super().__init__(
+            "gateway",
+            log_dir,
+            "-v",
+            "gateway",
+            "--scheduler",
+            scheduler,
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.grpc_port),
+            "--http-port",
+            str(self.http_port),
+            *flags,
+        )
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self._starts = 0  # the "serving" lines its log had when it was last ready
+        self._channel: grpc.Channel | None = None
+        self.stub: gateway_pb2_grpc.GatewayStub | None = None
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until this start of it serves: its log says so and /health answers 200 (the scheduler has
+        its workers); then a new channel to it."""
+        while (starts := self.log_path.read_text().count("gateway serving gRPC on")) <= self._starts:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited: {self.log_path.read_text()[-3000:]}")
+            assert time.monotonic() < deadline, f"gateway did not start: {self.log_path.read_text()[-3000:]}"
+            time.sleep(0.1)
+        self._starts = starts
+        self.address = f"127.0.0.1:{self.grpc_port}"
+        eventually(self.healthy, max(1.0, deadline - time.monotonic()), "gateway /health 200")
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self.channel()
+        self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def healthy(self) -> bool:
+        """Whether its /health answers 200 (it serves, and the scheduler has its workers)."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def restart(self, deadline: float) -> None:
+        """The same command again (after `kill`), on the same ports; returns once it serves."""
+        assert self.proc.poll() is not None, "restart() needs the process to have exited"
+        self.proc = self._launch()
+        self.wait_ready(deadline)
+
+    def stop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        super().stop()
+
+
+# --- Redis with Sentinel ---------------------------------------------------------------------------
+
+
+class RedisSentinels:
+    """A Redis master, one replica of it (``--replicaof``) and three sentinels monitoring it as
+    ``baton`` (quorum 2, down after 1 s), each a redis-server process on loopback (the binary
+    `scheduler.redis_server.redis_binary` finds; ``--sentinel`` makes it a sentinel). ``url`` is the
+    ``redis+sentinel://`` URL of the group (rpc.redis_url); `kill_master` SIGKILLs the master and
+    `wait_failover` waits for the sentinels to promote the replica."""
+
+    MASTER = "baton"
+
+    def __init__(self, log_dir: Path) -> None:
+        from scheduler.redis_server import redis_binary
+
+        self.dir = log_dir / "redis-sentinels"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.binary = redis_binary()
+        self.master_port, self.replica_port = free_port(), free_port()
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.url = (
+            "redis+sentinel://"
+            + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+            + f"/{self.MASTER}/0"
+        )
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _start(self, name: str, *args: str) -> None:
+        with open(self.dir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(
+                [self.binary, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+
+    def start(self, timeout_s: float = 30.0) -> RedisSentinels:
+        """Starts them all; returns once each sentinel knows the master, the replica and the other two
+        sentinels and the replica is in sync (a failover needs all of that)."""
+        import redis
+
+        node = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        for name, port in (("master", self.master_port), ("replica", self.replica_port)):
+            (self.dir / name).mkdir(exist_ok=True)
+            of = ("--replicaof", "127.0.0.1", str(self.master_port)) if name == "replica" else ()
+            self._start(name, *node, "--port", str(port), "--dir", str(self.dir / name), *of)
+        for i, port in enumerate(self.sentinel_ports):
+            conf = self.dir / f"sentinel-{i}.conf"  # a sentinel rewrites its file: one each
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
+                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.master_port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER} 1000\n"
+                f"sentinel failover-timeout {self.MASTER} 5000\n"
+                f"sentinel parallel-syncs {self.MASTER} 1\n"
+            )
+            self._start(f"sentinel-{i}", str(conf), "--sentinel")
+
+        def ready() -> bool:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    log = (self.dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis {name} exited:\n{log}")
+            try:
+                for port in self.sentinel_ports:
+                    with redis.Redis(port=port, decode_responses=True, socket_timeout=1) as sentinel:
+                        state = sentinel.sentinel_master(self.MASTER)
+                    if state["num-other-sentinels"] != 2 or state["num-slaves"] != 1:
+                        return False
+                with redis.Redis(port=self.replica_port, decode_responses=True, socket_timeout=1) as r:
+                    return bool(r.info("replication")["master_link_status"] == "up")
+            except redis.RedisError:
+                return False
+
+        try:
+            eventually(ready, timeout_s, "the sentinels see the master, the replica and each other", 0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def master(self) -> tuple[str, int]:
+        """The master's address as the sentinels name it now."""
+        import redis
+
+        with redis.Redis(port=self.sentinel_ports[0], decode_responses=True, socket_timeout=1) as s:
+            host, port = s.sentinel_get_master_addr_by_name(self.MASTER)
+        return str(host), int(port)
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (it is not started again)."""
+        proc = self.procs["master"]
+        proc.kill()
+        proc.wait(10)
+
+    def wait_failover(self, timeout_s: float) -> float:
+        """Seconds until every sentinel names the replica as the master."""
+        import redis
+
+        def promoted() -> bool:
+            try:
+                for port in self.sentinel_ports:
+                    with redis.Redis(port=port, decode_responses=True, socket_timeout=1) as s:
+                        named = s.sentinel_get_master_addr_by_name(self.MASTER)
+                    if not named or int(named[1]) != self.replica_port:
+                        return False
+                return True
+            except redis.RedisError:
+                return False
+
+        return eventually(promoted, timeout_s, "the sentinels promoted the replica", 0.05)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def __enter__(self) -> RedisSentinels:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -8,6 +8,7 @@ from typing import Any
 
 from core.units import parse_bytes
 from rpc.flags import config_from_args, port_or_off
+from rpc.liveness import KEEPALIVE_S
 from rpc.metrics import DEFAULT_MAX_TENANTS
 from rpc.tls import TlsConfig, target
 
@@ -82,6 +83,13 @@ class GatewayConfig:
     tls: TlsConfig = TlsConfig()
     scheduler_timeout: float = field(
         default=30.0, metadata=_help("seconds a placement may take, queueing included")
+    )
+    worker_keepalive_s: float = field(
+        default=KEEPALIVE_S,
+        metadata=_help(
+            "seconds between keepalive PINGs to a worker with calls in flight; one unanswered for twice "
+            "that marks the worker lost (hung, partitioned) and its streams migrate (rpc.liveness)"
+        ),
     )
     prefill_workers: tuple[str, ...] = field(
         default=(), metadata=_help("without a scheduler: host:port,... of prefill workers", parse=_addresses)
@@ -162,8 +170,8 @@ class GatewayConfig:
             raise ValueError(
                 "max_migrations must be at least 0, scheduler_timeout and shadow_timeout positive"
             )
-        if self.http_read_timeout_s <= 0:
-            raise ValueError("http_read_timeout_s must be positive")
+        if self.http_read_timeout_s <= 0 or self.worker_keepalive_s <= 0:
+            raise ValueError("http_read_timeout_s and worker_keepalive_s must be positive")
         if self.max_shadow_requests < 0 or self.metrics_max_tenants < 0 or self.drain_timeout_s < 0:
             raise ValueError(
                 "max_shadow_requests, metrics_max_tenants and drain_timeout_s must be at least 0"

@@ -10,9 +10,8 @@ Each request runs in its own driver task; cancelling it (client cancel, Cancel R
 disconnect, deadline, slow reader) cancels the worker calls at once, so the workers drop it at their
 next step and free its blocks, and publishes the cancel on the scheduler's cancellation bus.
 
-Metrics (`services.gateway.metrics`): every request is counted when it ends; a completed one's TTFT,
-end-to-end time and segments (its own `Timings`) are observed then, the inter-token gaps as its tokens
-are handed to the client's stream.
+Metrics (`services.gateway.metrics`): a request is counted when it ends, a completed one's TTFT, time
+and segments (its `Timings`) observed then; inter-token gaps as its tokens reach the client's stream.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from core.errors import (
+    DuplicateRequest,
     InvalidRequest,
     KVTransferFailed,
     ServingError,
@@ -110,13 +110,12 @@ class Dispatcher:
             )
         rid = request.request_id or uuid.uuid4().hex
         problem = request_id_problem(rid)
-        if problem is None and rid in self._in_flight:
-            problem = f"request id {rid!r} is already in flight"
-        if problem is not None:
-            metrics.REQUESTS.labels(
-                self.model.name, NONE, NONE, request.api, "error", "INVALID_ARGUMENT"
-            ).inc()
-            raise InvalidRequest(problem)
+        error: ServingError | None = None if problem is None else InvalidRequest(problem)
+        if error is None and rid in self._in_flight:
+            error = DuplicateRequest(f"request id {rid!r} is already in flight; send it with a new id")
+        if error is not None:
+            metrics.REQUESTS.labels(self.model.name, NONE, NONE, request.api, "error", error.grpc_code).inc()
+            raise error
         stream = RequestStream(rid, self.limits.max_buffered_tokens, self._client_wait.observe)
         self._in_flight[rid] = stream
         self._idle.clear()
@@ -372,7 +371,7 @@ class Dispatcher:
         assert job.route is not None
         job.stage, job.worker = "prefill", address
         try:
-            r = await self.workers.prefill(address, self._leg(job))
+            r = await self.workers.prefill(address, self._leg(job, prefill=True))
         except asyncio.CancelledError:
             # The prefill may have finished (and leased its blocks) as we cancelled: release them.
             job.abort_on(self.workers, address)
@@ -395,9 +394,11 @@ class Dispatcher:
         return r.handle
 
     @staticmethod
-    def _leg(job: Job) -> Leg:
-        assert job.route is not None
-        return Leg(job.request_id, job.prompt_ids, job.params, job.route.cache_salt, job.remaining_s())
+    def _leg(job: Job, prefill: bool = False) -> Leg:
+        r = job.route
+        assert r is not None
+        epoch = r.prefill_epoch if prefill else r.decode_epoch  # that worker's registration (fencing)
+        return Leg(job.request_id, job.prompt_ids, job.params, r.cache_salt, job.remaining_s(), epoch)
 
     async def _handoff(
         self, stream: RequestStream, job: Job, prefill_at: str, decode_at: str, handle: KVHandle

@@ -75,6 +75,8 @@ class Route:
     lease_ttl_s: float = 0.0
     shadow_worker: str | None = None
     shadow_version: str = ""
+    prefill_epoch: int = 0  # the workers' registration epochs the calls are meant for (0: unchecked)
+    decode_epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +344,7 @@ class SchedulerRouter:
             # The replica went away before answering: once more, on the stream the channel opens to
             # another replica (a Place is idempotent per request id: charged once).
             log.warning("request %s: %s; placing it again", query.request_id, e.message)
+            request.resent = True  # the admission the lost replica may have made is this request's
             resp = await self._calls.call(timeout, undo=undo, place=request)
         return Route(
             decode=resp.decode_worker,
@@ -352,6 +355,8 @@ class SchedulerRouter:
             lease_ttl_s=resp.lease_ttl_s,
             shadow_worker=resp.shadow_worker if resp.HasField("shadow_worker") else None,
             shadow_version=resp.shadow_version,
+            prefill_epoch=resp.prefill_epoch,
+            decode_epoch=resp.decode_epoch,
         )
 
     def finish(self, request_id: str, route: Route, prompt_tokens: int, completion_tokens: int) -> None:

@@ -26,6 +26,7 @@ from baton.v1 import gateway_pb2
 from core.errors import ModelLoadError, Unavailable
 from engine.tokenizer import Tokenizer
 from rpc.flags import add_flags
+from rpc.liveness import SERVER_OPTIONS
 from rpc.metrics import BoundedLabel, MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
@@ -225,6 +226,7 @@ def _grpc_server(
             ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
             ("grpc.so_reuseport", 0),  # a port already in use is an error, not a shared port
+            *SERVER_OPTIONS,  # clients' keepalive PINGs (rpc.liveness)
         ],
     )
     add_servicer(
@@ -310,7 +312,7 @@ async def serve_gateway(config: GatewayConfig) -> GatewayServer:
     """Starts the gateway on the running loop once the model is known; returns the running server."""
     executor = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-tokenizer")
     tls = config.tls.load()
-    workers = WorkerClients(tls)
+    workers = WorkerClients(tls, config.worker_keepalive_s)
     router: Router | None = None
     try:
         tokenizer, model, router, check = await _routing(config, workers, executor, tls)

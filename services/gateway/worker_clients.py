@@ -19,6 +19,7 @@ from core.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from rpc.convert import FINISH_FROM_PB, handle_from_pb, handle_to_pb, sampling_to_pb
 from rpc.errors import from_rpc_error
+from rpc.liveness import KEEPALIVE_S, keepalive_options
 from rpc.tls import Tls
 from rpc.tls import channel as tls_channel
 from services.gateway.convert import delta_from_pb
@@ -49,6 +50,7 @@ class Leg:
     params: SamplingParams
     cache_salt: str = ""
     timeout_s: float | None = None
+    epoch: int = 0  # the registration of the worker called that the scheduler placed it on (0: any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +89,9 @@ def _finish(code: int) -> FinishReason | None:
 class WorkerClients:
     """One channel per worker address, opened on first use and shared by all requests."""
 
-    def __init__(self, tls: Tls | None = None) -> None:
+    def __init__(self, tls: Tls | None = None, keepalive_s: float = KEEPALIVE_S) -> None:
         self._tls = tls
+        self._options = (*CHANNEL_OPTIONS, *keepalive_options(keepalive_s))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self._background: set[asyncio.Task[bool]] = set()
@@ -96,7 +99,7 @@ class WorkerClients:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = tls_channel(address, self._tls, CHANNEL_OPTIONS)
+            channel = tls_channel(address, self._tls, self._options)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
@@ -152,6 +155,7 @@ class WorkerClients:
             prompt_token_ids=leg.prompt_ids,
             sampling=sampling_to_pb(leg.params),
             cache_salt=leg.cache_salt,
+            epoch=leg.epoch,
         )
         call = self.stub(address).Prefill(request, timeout=leg.timeout_s)
         try:
@@ -190,6 +194,7 @@ class WorkerClients:
             sampling=sampling_to_pb(leg.params),
             cache_salt=leg.cache_salt,
             resume_token_ids=list(resume_token_ids),
+            epoch=leg.epoch,
         )
         if handle is not None:
             request.handle.CopyFrom(handle_to_pb(handle))

@@ -29,7 +29,14 @@ class Membership:
     """Registers with the scheduler, then heartbeats every interval it is told (re-registering when
     the scheduler has evicted it). Between two full heartbeats (load and prefix hashes), a load that
     changed is published at once, at most every ``LOAD_BEAT_S``: admission waits on it (a finished
-    request frees a slot that a queued one may take), so it must not be a second old."""
+    request frees a slot that a queued one may take), so it must not be a second old.
+
+    Each registration gets an epoch, which the heartbeats carry. A worker that must register again
+    after no heartbeat was taken for longer than a registration lives (the process was stopped or
+    starved, or cut off from the scheduler: SIGSTOP, a frozen host, a partition) was taken for dead,
+    and its work may have been placed elsewhere meanwhile. It is then *fenced* first: ``on_fenced(epoch)``
+    makes it refuse every call placed on that epoch from then on. (A Redis that restarted empty refuses
+    a heartbeat too, but without the lapse: the worker simply registers again.)"""
 
     def __init__(
         self,
@@ -38,6 +45,7 @@ class Membership:
         info: Callable[[LLMEngine], worker_pb2.InfoResponse],
         role: str,
         tls: Tls | None = None,
+        on_fenced: Callable[[int], Awaitable[object]] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.aengine = aengine
@@ -51,6 +59,10 @@ class Membership:
         self.registered = asyncio.Event()
         self.address = ""  # this worker's, once registered
         self._sent: tuple[object, ...] = ()  # the load last published
+        self.epoch = 0  # this registration's (0: none yet)
+        self.ttl_s = 3.0  # how long a registration lives without a heartbeat (3 intervals)
+        self._acked = 0.0  # monotonic time of the last heartbeat the registry took
+        self._on_fenced = on_fenced
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="membership")
@@ -77,6 +89,7 @@ class Membership:
         while True:
             try:
                 if not known:
+                    await self._fence_if_lapsed()
                     await self._register()
                     known = True
                     self.registered.set()
@@ -92,6 +105,21 @@ class Membership:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
+
+    async def _fence_if_lapsed(self) -> None:
+        lapse = time.monotonic() - self._acked
+        if not self.epoch or lapse <= self.ttl_s:
+            return  # a registry that lost its state (Redis restarted empty): nothing was given away
+        epoch, self.epoch = self.epoch, 0
+        log.warning(
+            "fenced: no heartbeat of registration %d was taken for %.1f s (it lives %.1f s without one); "
+            "registering again",
+            epoch,
+            lapse,
+            self.ttl_s,
+        )
+        if self._on_fenced is not None:
+            await self._on_fenced(epoch)
 
     async def _snapshot(self) -> tuple[worker_pb2.InfoResponse, list[str]]:
         def read(engine: LLMEngine) -> tuple[worker_pb2.InfoResponse, list[str]]:
@@ -109,10 +137,14 @@ class Membership:
             if _key(load) == self._sent:
                 continue
             reply = await self._stub.Heartbeat(
-                scheduler_pb2.HeartbeatRequest(address=self.address, load=load, load_only=True), timeout=5.0
+                scheduler_pb2.HeartbeatRequest(
+                    address=self.address, load=load, load_only=True, epoch=self.epoch
+                ),
+                timeout=5.0,
             )
             if not reply.known:
                 return False
+            self._acked = time.monotonic()
             self._sent = _key(load)
         return True
 
@@ -145,17 +177,28 @@ class Membership:
         )
         self._sent = _key(load)
         self.interval_s = max(0.05, reply.heartbeat_interval_s or 1.0)
+        self.ttl_s, self.epoch, self._acked = 3 * self.interval_s, reply.epoch, time.monotonic()
         self.address = info.address
-        log.info("registered with scheduler %s as %s (%s)", self.scheduler, info.address, self.role)
+        log.info(
+            "registered with scheduler %s as %s (%s), epoch %d",
+            self.scheduler,
+            info.address,
+            self.role,
+            self.epoch,
+        )
 
     async def _beat(self, timeout_s: float = 5.0) -> bool:
         info, hashes = await self._snapshot()
         load = self._load(info)
         reply = await self._stub.Heartbeat(
-            scheduler_pb2.HeartbeatRequest(address=info.address, load=load, cached_block_hashes=hashes),
+            scheduler_pb2.HeartbeatRequest(
+                address=info.address, load=load, cached_block_hashes=hashes, epoch=self.epoch
+            ),
             timeout=timeout_s,
         )
         self._sent = _key(load)
+        if reply.known:
+            self._acked = time.monotonic()
         return bool(reply.known)
 
 
@@ -196,11 +239,10 @@ async def listen_for_cancels(
 ) -> Callable[[], Awaitable[None]]:
     """Subscribes to the cancellation bus; ``abort(request_id)`` runs for every cancel (idempotent)
     and the id is remembered in ``recent``. Returns an async stop function."""
-    import redis.asyncio as aioredis
-
+    from rpc.redis_url import async_client
     from scheduler.cancel import CancellationBus
 
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = async_client(redis_url)  # any URL rpc.redis_url reads: ACL user, TLS, Sentinel
     bus = CancellationBus(client)
 
     def on_cancel(request_id: str, reason: str) -> None:

@@ -212,6 +212,13 @@ class WorkerMetrics:
             names,
             registry=r,
         ).labels(*ident)
+        self.fenced = Counter(
+            "baton_worker_fenced",
+            "Times this worker was fenced: its registration lapsed (stopped, starved) and the registry "
+            "refused its heartbeat, so calls placed on that registration are refused.",
+            names,
+            registry=r,
+        ).labels(*ident)
         self.abort_seconds = Histogram(
             "baton_worker_abort_seconds",
             "Abort asked -> the request dropped and its blocks back in the pool "

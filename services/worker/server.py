@@ -32,6 +32,7 @@ from kv_transfer.transport import KVTransport, make_transport
 from prefill_worker.handoff import PrefillHandoff, kv_layout
 from prefill_worker.rpc import PrefillRPC
 from rpc.convert import layout_to_pb
+from rpc.liveness import SERVER_OPTIONS
 from rpc.metrics import MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
@@ -194,6 +195,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         leases = self.prefill.give_up_leases() if self.prefill is not None else 0
         return requests, leases
 
+    async def fence(self, epoch: int) -> None:
+        """This worker was fenced out of registration ``epoch`` (`Membership`): from now on a call placed
+        on that registration is refused (`WorkerFenced`), before the worker registers again. What a
+        gateway gave up while the worker was away ended with its call (a broken connection cancels the
+        call; the request is aborted and its blocks freed) and its leases expire in the scheduler's
+        ledger (the reaper frees them here); a call whose gateway still waits on it goes on — a worker
+        that was only starved for a while keeps serving its live streams."""
+        self.shell.fenced_epoch = max(self.shell.fenced_epoch, epoch)
+        self.metrics.fenced.inc()
+        running = await self.shell.call(lambda e: len(e.scheduler.running) + len(e.scheduler.waiting))
+        log.warning(
+            "fenced out of epoch %d: calls placed on it are refused; %d requests whose callers are still "
+            "connected go on",
+            epoch,
+            running,
+        )
+
     def post_abort(self, rid: str) -> None:
         """An abort from the cancellation bus: queued for the engine thread, timed."""
         asked = time.monotonic()
@@ -273,7 +291,7 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
     aengine = await AsyncEngine.launch(lambda: LLMEngine(config.engine), config.max_pending_outputs)
     try:
         tls = config.tls.load()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
         port = add_port(server, f"{config.host}:{config.port}", tls)  # mutual TLS if configured
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
@@ -327,7 +345,9 @@ async def serve_worker(config: WorkerConfig) -> WorkerServer:
             config.redis_url, lambda rid: servicer.post_abort(rid), servicer.shell.recent_cancels
         )
     if config.scheduler:
-        worker.membership = Membership(config.scheduler, aengine, servicer.snapshot, config.role, tls)
+        worker.membership = Membership(
+            config.scheduler, aengine, servicer.snapshot, config.role, tls, on_fenced=servicer.fence
+        )
         worker.membership.start()
     log.info(
         "worker ready: role=%s address=%s model=%s kv=%s metrics=%s",

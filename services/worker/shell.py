@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from core.errors import InvalidRequest, RequestAborted, ServingError, WorkerDraining
+from core.errors import InvalidRequest, RequestAborted, ServingError, WorkerDraining, WorkerFenced
 from core.outputs import RequestOutput
 from core.sampling_params import SamplingParams
 from engine.async_engine import AsyncEngine, OutputStream
@@ -44,6 +44,7 @@ class WorkerShell:
         self.model_name = config.served_model_name or aengine.engine.model_dir.name
         self.recent_cancels = RecentCancels()  # filled by the cancellation bus, if this worker listens
         self.draining = False  # SIGTERM came: no new request is taken
+        self.fenced_epoch = 0  # the last registration this worker was fenced out of (membership)
         self.metrics = WorkerMetrics(self.model_name, transport.layout.model_digest, config.role, address)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -68,8 +69,17 @@ class WorkerShell:
     def open_stream(self, rid: str) -> OutputStream:
         return self.aengine.open_stream(rid)  # an id in use here: InvalidRequest
 
-    def parse(self, rid: str, ids: Any, sampling: Any) -> tuple[str, list[int], SamplingParams]:
-        """A Prefill's or Decode's id, prompt and sampling, checked."""
+    def parse(
+        self, rid: str, ids: Any, sampling: Any, epoch: int = 0
+    ) -> tuple[str, list[int], SamplingParams]:
+        """A Prefill's or Decode's id, prompt and sampling, checked; ``epoch``: the registration the
+        scheduler placed it on (0: any)."""
+        if epoch and epoch <= self.fenced_epoch:  # placed on a life of this worker that was fenced
+            raise WorkerFenced(
+                f"worker {self.address} was fenced out of registration {epoch} (it missed its "
+                "heartbeats); the request goes on on another worker",
+                self.address,
+            )
         if not rid:
             raise InvalidRequest("request_id is required")
         if not ids:

@@ -43,8 +43,9 @@ from harness import (
     on_redis,
 )
 
-from baton.v1 import common_pb2, gateway_pb2, scheduler_pb2
+from baton.v1 import common_pb2, gateway_pb2, scheduler_pb2, worker_pb2
 from core.sampling_params import SamplingParams
+from rpc.liveness import KEEPALIVE_S
 from scheduler.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
@@ -56,6 +57,7 @@ PREFILL_TOKENS = 16
 LONG_PROMPT_WORDS = 200  # about 250 tokens
 # A probe's Place answers in milliseconds when a worker is free; 2 s lets a busy scheduler answer too.
 PROBE_TIMEOUT_S = 2.0
+FROZEN_S = 120.0  # the gateway's keepalive where a test freezes a worker before it kills it
 
 
 def _prompt(i: int) -> str:
@@ -119,9 +121,17 @@ class Cluster(harness.Cluster):
         super().__init__(redis.url, log_dir, scheduler=scheduler)
         self.redis, self.model = redis, model
 
-    def start(self, *roles: str, flags: tuple[str, ...] = ()) -> GatewayThread:
+    def start(self, *roles: str, flags: tuple[str, ...] = (), keepalive_s: float = FROZEN_S) -> GatewayThread:
+        """Workers of ``roles`` and a gateway. A worker that tests freeze (SIGSTOP) before they kill it
+        must not be found lost while frozen: by default the gateway's keepalive outlasts the freeze
+        (what those tests show is a kill); the hung-worker test gives it the default's."""
         self.add_workers(self.model, *roles, flags=flags)
-        return self.start_gateway(self.model, max_output_tokens=MIGRATE_TOKENS + 50, max_session_requests=32)
+        return self.start_gateway(
+            self.model,
+            max_output_tokens=MIGRATE_TOKENS + 50,
+            max_session_requests=32,
+            worker_keepalive_s=keepalive_s,
+        )
 
     def stop(self) -> None:
         super().stop()
@@ -376,6 +386,93 @@ def test_streams_of_a_killed_decode_worker_migrate(
     )
 
 
+# --- a decode worker hangs past its heartbeat timeout (SIGSTOP), then wakes (SIGCONT) -------------------
+
+
+def _epoch(redis_url: str, worker: WorkerProcess) -> int:
+    """The epoch of the worker's registration in the registry (0: it has none now)."""
+    from scheduler.registry import WorkerRegistry
+
+    view = on_redis(redis_url, lambda client: WorkerRegistry(client).get(worker.address))
+    return 0 if view is None else view.epoch
+
+
+def test_a_hung_decode_worker_is_routed_around_and_fenced_when_it_wakes(
+    cluster: Cluster, offline: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode worker frozen mid-stream keeps its connections open, so nothing fails: the gateway's
+    keepalive finds it lost and each of its streams migrates token-exactly. Woken long past its
+    heartbeat timeout, its first heartbeat is refused (the registry evicted it) and it is fenced: it
+    ends whatever it still held — nothing of it reaches a client, whose streams went on elsewhere —
+    refuses a call placed on its old epoch, and registers again under a new one, which serves."""
+    caplog.set_level(logging.INFO, logger="services.gateway.dispatch")
+    gw = cluster.start("prefill", "decode", "decode", keepalive_s=KEEPALIVE_S)
+    prefill, hung, other = cluster.workers
+    epoch = _epoch(cluster.redis.url, hung)
+    assert epoch > 0
+    before = metric("baton_gateway_migrations_total")
+    steer(cluster, hung, other)
+    streams = Streams(gw)
+    rids = [f"h{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        streams.start(rid, _prompt(i), greedy(MIGRATE_TOKENS))
+    streams.read_until(lambda: all(len(streams.ids[r]) >= 3 for r in rids))
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    on_hung = routes(gw, rids)
+    tokens_at_stop = {r: len(streams.ids[r]) for r in rids}
+    set_draining(cluster.redis.url, other.address, False)  # the other worker takes work again
+    streams.finish()
+    detected_s = time.monotonic() - stopped_at  # to the end of the last migrated stream
+    assert set(on_hung.values()) == {hung.address}, on_hung
+    assert streams.errors == {}
+    for i, rid in enumerate(rids):  # 0 lost, 0 duplicated
+        assert (streams.ids[rid], streams.text[rid]) == offline["streams"][i], rid
+    assert all(n < MIGRATE_TOKENS for n in tokens_at_stop.values()), tokens_at_stop
+    assert {r: migrations_logged(caplog)[r] for r in rids} == {r: 1 for r in rids}
+    assert metric("baton_gateway_migrations_total") == before + len(rids)
+    eventually(lambda: cluster.scheduler.num_workers() == 2, HEARTBEAT_TIMEOUT_S + SLACK_S, "eviction")
+    assert time.monotonic() - stopped_at > HEARTBEAT_TIMEOUT_S
+
+    os.kill(hung.proc.pid, signal.SIGCONT)
+    woke_at = time.monotonic()
+    eventually(lambda: _epoch(cluster.redis.url, hung) > epoch, 30, "the woken worker registered again")
+    rejoined_s = time.monotonic() - woke_at
+    log = hung.log_path.read_text()
+    assert f"fenced out of epoch {epoch}" in log, log[-3000:]
+    new_epoch = _epoch(cluster.redis.url, hung)
+    hung.wait_all_free()  # what the frozen worker held is gone
+    url = re.search(r"metrics on (http://\S+)", log)
+    assert url is not None
+    assert harness.Scrape(url.group(1)).value("baton_worker_fenced_total") == 1
+
+    def late_call(on_epoch: int) -> list[int]:  # a Decode placed on one of the worker's registrations
+        assert hung.stub is not None
+        request = worker_pb2.DecodeRequest(
+            request_id=f"late-{on_epoch}", prompt_token_ids=[5, 6, 7], sampling=greedy(4), epoch=on_epoch
+        )
+        return [t for m in hung.stub.Decode(request, timeout=30) for t in m.delta.token_ids]
+
+    with pytest.raises(grpc.RpcError) as refused:
+        late_call(epoch)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "fenced" in (refused.value.details() or ""), refused.value.details()
+    assert len(late_call(new_epoch)) == 4
+    steer(cluster, hung, other)  # placement uses it again, on its new registration
+    assert (
+        grpc_generate(gw, gateway_pb2.GenerateRequest(prompt=_prompt(0), sampling=greedy(MIGRATE_TOKENS)))[:2]
+        == offline["streams"][0]
+    )
+    for worker in cluster.workers:
+        worker.wait_all_free()
+    settled(cluster.redis.url)
+    print(
+        f"\nhung decode worker: {len(rids)} streams migrated token-exactly, the last done {detected_s:.1f} s "
+        f"after the freeze (keepalive {KEEPALIVE_S:g} s); woken, fenced out of epoch {epoch} and "
+        f"registered again as epoch {new_epoch} in {rejoined_s:.2f} s; a call on the old epoch refused"
+    )
+
+
 # Each OpenAI case: its endpoint and body; every output is long enough to be mid-way at the kill.
 LONG_SCHEMA = {
     "type": "array",
@@ -389,7 +486,8 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "record",
-            "parameters": {"type": "object", "properties": {"values": LONG_SCHEMA}},
+            # Required: the arguments are long (80 values), never an empty object that ends the call early.
+            "parameters": {"type": "object", "properties": {"values": LONG_SCHEMA}, "required": ["values"]},
         },
     }
 ]

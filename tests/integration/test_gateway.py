@@ -508,7 +508,7 @@ def test_session_limits(disaggregated: GatewayThread) -> None:
         if msg.HasField("error"):
             errors[msg.request_id] = msg.error
     assert (
-        errors["a"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        errors["a"].code == grpc.StatusCode.ALREADY_EXISTS.value[0]
         and "already in flight" in errors["a"].message
     )
     assert errors["d"].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and errors["d"].retry_after_s > 0

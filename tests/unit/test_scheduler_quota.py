@@ -191,6 +191,39 @@ def test_unfinished_requests_expire_and_give_back_their_slots(
     run(url, body)
 
 
+def test_orphaned_requests_keep_their_ids_for_the_retention_then_give_back_their_slots(
+    url: str, ledger: Callable[..., QuotaLedger]
+) -> None:
+    """A dead gateway's requests (scheduler.calls): brought forward to expire ``retention_s`` from now —
+    never later than they would anyway — and until then still in flight: the same id re-admitted is a
+    duplicate, and the tenant's slot and blocks are held; after it, both come back."""
+
+    async def body(r: aioredis.Redis) -> None:
+        clock = Clock()
+        q, t = ledger(r, clock=clock), tenant(max_concurrent=3, max_kv_blocks=10)
+        await q.admit(t, "orphan-1", 1, 1, 2)
+        await q.admit(t, "orphan-2", 1, 1, 2)
+        await q.admit(t, "finished", 1, 1, 2)
+        await q.finish(t, "finished", 1, 1)
+        await q.admit(t, "short", 1, 1, 2)
+        # Only those still in flight count; none is given more time than it had (LT).
+        assert await q.orphan("acme", ["orphan-1", "orphan-2", "finished", "never"], 120.0) == 2
+        assert await q.orphan("acme", ["orphan-1"], 600.0) == 0
+        assert await q.orphan("acme", [], 120.0) == 0
+        assert await r.zscore("baton:quota:{acme}:inflight", "orphan-1") == pytest.approx(clock.now + 120)
+        clock.now += 119
+        again = await q.admit(t, "orphan-1", 1, 1, 2)
+        assert again.already_admitted  # the placement refuses it: DuplicateRequest
+        assert ((u := await q.usage(t)).concurrent, u.kv_blocks) == (3, 6)
+        clock.now += 2
+        assert ((u := await q.usage(t)).concurrent, u.kv_blocks) == (1, 2)  # only "short" is left
+        assert await q.finish(t, "orphan-2", 1, 1) is None  # a late Finish: idempotent
+        fresh = await q.admit(t, "orphan-1", 1, 1, 2)
+        assert not fresh.already_admitted and fresh.expires_at_s == pytest.approx(clock.now + q.request_ttl_s)
+
+    run(url, body)
+
+
 def test_server_time_refills_the_buckets(url: str, ledger: Callable[..., QuotaLedger]) -> None:
     async def body(r: aioredis.Redis) -> None:
         q, t = ledger(r), tenant(requests_per_s=100.0, burst_s=0.05)

@@ -80,6 +80,29 @@ def test_register_and_filter_by_model_version_and_role(url: str) -> None:
     run(url, body)
 
 
+def test_each_registration_gets_a_new_epoch_and_a_superseded_one_is_refused(url: str) -> None:
+    async def body(r: aioredis.Redis) -> None:
+        reg = WorkerRegistry(r, heartbeat_timeout_s=5)
+        first = await reg.register(record("d:1"), load())
+        other = await reg.register(record("d:2"), load())
+        assert 0 < first < other  # one counter for the cluster: never reused, whatever the address
+        assert await reg.heartbeat("d:1", load(), epoch=first)
+        assert await reg.heartbeat("d:1", load())  # 0: a worker that does not say (not checked)
+        view = await reg.get("d:1")
+        assert view is not None and view.epoch == first
+        second = await reg.register(record("d:1"), load())  # the same address registers again
+        assert second > other
+        assert not await reg.heartbeat("d:1", load(), ["aa"], epoch=first)  # the old life: refused
+        view = await reg.get("d:1")
+        assert view is not None and view.epoch == second and view.load == load()  # and changed nothing
+        assert await r.smembers("baton:prefix:d:1") == set()
+        assert await reg.heartbeat("d:1", load(free_blocks=3), epoch=second)
+        rows = await reg.snapshot_with_prefixes("llama")
+        assert {v.worker_id: v.epoch for v, _, _ in rows} == {"d:1": second, "d:2": other}
+
+    run(url, body)
+
+
 def test_missed_heartbeats_evict_and_the_worker_reregisters(url: str) -> None:
     async def body(r: aioredis.Redis) -> None:
         reg = WorkerRegistry(r, heartbeat_timeout_s=TTL)
