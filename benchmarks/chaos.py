@@ -31,8 +31,15 @@ DEFAULT_PATH = REPO_ROOT / "docs" / "RELIABILITY.md"
 # What each module injects (its tests' docstrings say what must hold).
 SCENARIOS = {
     "tests/integration/test_faults.py": "a scheduler replica SIGKILLed under load",
-    "tests/integration/test_failover.py": "decode / prefill worker SIGKILLed mid-stream, Redis and the "
+    "tests/integration/test_failover.py": "decode / prefill worker SIGKILLed mid-stream, a decode worker "
+    "hung (SIGSTOP past its heartbeat timeout, then SIGCONT: fenced by its epoch), Redis and the "
     "scheduler killed and restarted, cancels over the bus",
+    "tests/integration/test_partition.py": "a decode worker cut off (its own network namespace, every "
+    "packet dropped both ways), then healed",
+    "tests/integration/test_gateway_death.py": "a gateway process SIGKILLed mid-stream and restarted; "
+    "the same ids re-sent; one id sent to two gateways at once",
+    "tests/integration/test_redis_failover.py": "Redis master SIGKILLed under load (Sentinel promotes "
+    "the replica); ACL users",
     "tests/integration/test_security.py": "TLS, mutual TLS, API keys (bypass table), the KV port's "
     "credential and lease bounds, limits, slowloris",
     "tests/integration/test_fuzz.py": "schemathesis on /openapi.json (positive and negative), gRPC "
