@@ -131,14 +131,25 @@ def test_a_killed_process_comes_back_and_every_stream_completes_token_exactly(
             streams = [Stream(stub, p) for p in PROMPTS]
             for s in streams:
                 s.start()
-            eventually(
-                lambda ss=streams: all(s.token_ids or s.error for s in ss), 60, "every stream placed", 0.005
-            )
             if not victim.endswith("decode worker"):
+                eventually(
+                    lambda ss=streams: all(s.token_ids or s.error for s in ss),
+                    60,
+                    "every stream placed",
+                    0.005,
+                )
                 break
             # Placement is KV-aware (these prompts share a prefix): which decode worker holds the streams
-            # is its choice; the test kills the one holding most (its streams must move) or fewest.
-            on = _streams_on(cluster)
+            # is its choice; the test kills the one holding most (its streams must move) or fewest. The
+            # decode workers are read as soon as streams run there: on a busy machine the prompts are
+            # prefilled one after another, and the first streams may end before the last one starts.
+            on: dict[str, float] = {}
+
+            def running_there(ss: list[Stream] = streams, seen: dict[str, float] = on) -> bool:
+                seen.update(_streams_on(cluster))
+                return sum(seen.values()) >= 1 or all(s.finish is not None or s.error for s in ss)
+
+            eventually(running_there, 60, "streams on a decode worker, or every stream ended", 0.005)
             if sum(on.values()) >= 1:
                 pick = max if victim.startswith("busiest") else min
                 victim = pick(on, key=lambda name: on[name])
