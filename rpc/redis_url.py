@@ -302,7 +302,7 @@ def async_client(
         **t.auth_kwargs(),
     )
     if t.is_sentinel:
-        sentinel = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]  # redis-py, untyped
+        sentinel = aiosentinel.Sentinel(
             list(t.sentinels),
             sentinel_kwargs={
                 **t.sentinel_kwargs(socket_timeout, socket_connect_timeout),
@@ -334,16 +334,14 @@ def sync_client(
         **t.auth_kwargs(),
     )
     if t.is_sentinel:
-        sentinel = syncsentinel.Sentinel(  # type: ignore[no-untyped-call]  # redis-py, untyped
+        sentinel = syncsentinel.Sentinel(
             list(t.sentinels),
             sentinel_kwargs={
                 **t.sentinel_kwargs(socket_timeout, socket_connect_timeout),
                 "retry": SyncRetry(NoBackoff(), 0),
             },
         )
-        master = sentinel.master_for(  # type: ignore[no-untyped-call]  # redis-py, untyped
-            t.master, redis_class=_SyncSentinelMaster, **common
-        )
+        master = sentinel.master_for(t.master, redis_class=_SyncSentinelMaster, **common)
         return cast(redis.Redis, master)
     if t.path:
         return redis.Redis(unix_socket_path=t.path, **common)
@@ -378,7 +376,7 @@ class MasterLocator:
         self.target = _target(url)
         self._sentinel: aiosentinel.Sentinel | None = None
         if self.target.is_sentinel:
-            self._sentinel = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]  # redis-py, untyped
+            self._sentinel = aiosentinel.Sentinel(
                 list(self.target.sentinels),
                 sentinel_kwargs={
                     **self.target.sentinel_kwargs(timeout_s, timeout_s),

@@ -165,7 +165,7 @@ class CancellationBus:
             finally:
                 self._subscribed.clear()
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()
                 with contextlib.suppress(Exception):
                     await client.aclose(close_connection_pool=True)  # the pool is this listener's own
             # Jitter spreads the reconnects of many workers after a Redis restart.
