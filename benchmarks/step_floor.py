@@ -62,7 +62,7 @@ def _best(fn: Callable[[], Any], reps: int, rounds: int = 5) -> float:
 
 def _projections(model: Any) -> list[tuple[torch.nn.Module, torch.Tensor]]:
     """(module, plain weight in the run's dtype) for every projection a decode step multiplies by."""
-    from engine.linear import Int8Linear, PackedLinear
+    from engine.linear import Bf16DotLinear, Int8Linear, PackedLinear
 
     out = []
     for m in [*model.layers.modules(), model.lm_head]:
@@ -70,7 +70,7 @@ def _projections(model: Any) -> list[tuple[torch.nn.Module, torch.Tensor]]:
             out.append((m, m.weight.detach()))
         elif isinstance(m, Int8Linear):
             out.append((m, m.dequantized().to(m.scales.dtype)))
-        elif isinstance(m, PackedLinear):
+        elif isinstance(m, (PackedLinear, Bf16DotLinear)):
             out.append((m, torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16).normal_(0, 0.02)))
     return out
 

@@ -26,7 +26,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+_SOURCES = (
+    Path(__file__).with_name("csrc") / "cpu_ops.cpp",
+    Path(__file__).with_name("csrc") / "bf16_dot.cpp",
+)
 # -fopenmp makes ATen's header-inlined parallel_for parallel; its GOMP symbols resolve to the OpenMP
 # runtime torch already loaded (no second runtime is linked), so torch.set_num_threads governs it too.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -58,7 +61,10 @@ def _build_dir() -> Path:
         flags = next(
             (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
         )
-    stamp = _SOURCE.read_bytes() + " ".join([torch.__version__, *_CFLAGS, flags]).encode()
+    stamp = (
+        b"".join(src.read_bytes() for src in _SOURCES)
+        + " ".join([torch.__version__, *_CFLAGS, flags]).encode()
+    )
     key = hashlib.sha256(stamp).hexdigest()[:12]
     return cache_root() / "kernels" / f"cpu_ops-{key}"
 
@@ -78,7 +84,7 @@ def _load() -> bool:
         # never loads a library that another one is still linking.
         load(
             name="baton_cpu_ops",
-            sources=[str(_SOURCE)],
+            sources=[str(src) for src in _SOURCES],
             build_directory=str(build),
             is_python_module=False,
             extra_cflags=_CFLAGS,

@@ -156,11 +156,13 @@ class DecoderLayer(nn.Module):
 
 
 def _build_decode_plan(model: LlamaForCausalLM) -> tuple[int, list[torch.Tensor]] | None:
-    from engine.linear import Int8Linear, PackedLinear
+    from engine.linear import Bf16DotLinear, Int8Linear, PackedLinear
 
     none = torch.empty(0)
 
     def parts(m: nn.Module) -> tuple[int, list[torch.Tensor]] | None:
+        if isinstance(m, Bf16DotLinear):
+            return 3, [m.packed, none if m.bias is None else m.bias, none]
         if isinstance(m, PackedLinear):
             return 1, [m.packed, none if m.bias is None else m.bias, none]
         if isinstance(m, Int8Linear):

@@ -156,9 +156,10 @@ import baton.v1.gateway_pb2_grpc, engine, kv_transfer, scheduler.server, service
 
 # The CPU kernels are compiled at a node's first start from their C++ source, which must ship in the
 # package: without it every node would silently serve on the slower torch ops.
-kernel = pathlib.Path(engine.__file__).parent / "csrc" / "cpu_ops.cpp"
-if not kernel.is_file():
-    sys.exit(f"{kernel} is not installed: the package must ship the kernel source (engine's package data)")
+for name in ("cpu_ops.cpp", "bf16_dot.cpp"):
+    kernel = pathlib.Path(engine.__file__).parent / "csrc" / name
+    if not kernel.is_file():
+        sys.exit(f"{kernel} is not installed: the package must ship the kernel source (engine's package data)")
 print(f"[install.sh] imports and kernel source: ok (torch {torch.__version__})", file=sys.stderr)
 PY
   )

@@ -23,6 +23,12 @@
 #include <immintrin.h>
 #endif
 
+namespace baton {
+// engine/csrc/bf16_dot.cpp: bf16 rows times weights packed for AVX512-BF16 dot products.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                       bool fp32_out);
+}  // namespace baton
+
 namespace {
 
 inline float load(const float* p) { return *p; }
@@ -526,7 +532,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 // write, varlen attention, o, add+norm, gate_up, SiLU x up, down — the same ops the Python model calls,
 // in the same order, without a Python frame per op. Weights come per layer as 14 tensors: the two norm
 // weights, then (weight, bias, scales) for qkv, o, gate_up and down; `kind` says how the projections
-// multiply: 0 plain (at::linear), 1 oneDNN-packed bf16, 2 int8 weight-only.
+// multiply: 0 plain (at::linear), 1 oneDNN-packed bf16, 2 int8 weight-only, 3 bf16 packed for AVX512-BF16
+// dot products (engine/csrc/bf16_dot.cpp; N a multiple of 16, an fp32 bias).
 namespace {
 
 // ---------------------------------------------------------------------------------------------------
@@ -658,6 +665,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at::Tensor& b, const at::Tensor& s) {
   if (kind == 1) return packed_linear(x, w, b);
+  if (kind == 3) return baton::bf16_linear(x, w, w.size(0) * 16, present(b) ? std::optional<at::Tensor>(b) : std::nullopt, false);
   if (kind == 2) {  // int8 weight-only: as engine/linear.py Int8Linear
     at::Tensor out = x.size(0) <= kInt8MaxRows ? int8_linear(x, w, s) : at::linear(x, w.to(x.scalar_type())) * s;
     return present(b) ? out + b : out;

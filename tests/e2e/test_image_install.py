@@ -148,8 +148,9 @@ def test_the_installed_baton_runs_from_its_own_venv(installed: Path) -> None:
     assert engine_file.startswith(str(installed)) and generated.startswith(str(installed))  # non-editable
     assert torch_version.startswith("2.13.0")
     assert dev_tools == "[]"  # no test or dev extras in the image
-    kernel = Path(engine_file).parent / "csrc" / "cpu_ops.cpp"
-    assert kernel.is_file(), "the CPU kernels are compiled on the node from this source"
+    for name in ("cpu_ops.cpp", "bf16_dot.cpp"):
+        kernel = Path(engine_file).parent / "csrc" / name
+        assert kernel.is_file(), "the CPU kernels are compiled on the node from this source"
 
 
 def test_a_scheduler_from_the_installed_venv_answers_the_health_check(
@@ -333,5 +334,6 @@ def test_the_build_context_keeps_out_local_state_and_keeps_what_install_sh_needs
         "README.md",
         "deploy/docker/install.sh",
         "engine/csrc/cpu_ops.cpp",
+        "engine/csrc/bf16_dot.cpp",
     ]
     assert [n for n in needed if dockerignored(n, patterns)] == []

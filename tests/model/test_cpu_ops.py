@@ -135,6 +135,74 @@ def test_int8_linear_refuses_what_it_cannot_multiply() -> None:
         torch.ops.baton.int8_linear(torch.zeros(2, 32), q.float(), s)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13, 16, 17, 40])
+@pytest.mark.parametrize(("n", "k"), [(37, 40), (96, 576), (48, 2)])  # 37: a last block of 5 channels
+def test_bf16_dot_linear_matches_fp32_products_of_the_same_values(rows: int, n: int, k: int) -> None:
+    """baton::bf16_linear sums exact bf16 x bf16 products in fp32: fp32 out equals a float64 reference to
+    fp32 rounding; bf16 out (with a bias) is that sum rounded once. Where the CPU has no AVX512-BF16 the
+    op must refuse, and the model keeps oneDNN's packed layers (test below)."""
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    packed = torch.ops.baton.bf16_pack(w)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+    if not torch.ops.baton.bf16_dot_available():
+        with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+            torch.ops.baton.bf16_linear(x, packed, n, None, True)
+        return
+    want = x.double() @ w.double().T
+    got = torch.ops.baton.bf16_linear(x, packed, n, None, True)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    got = torch.ops.baton.bf16_linear(x, packed, n, bias, False)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got.float(), (want + bias.double()).float().bfloat16().float(), atol=0, rtol=1e-2
+    )
+    strided = torch.randn(rows, 2 * k, generator=g).bfloat16()[:, ::2]  # a non-contiguous x is copied first
+    torch.testing.assert_close(
+        torch.ops.baton.bf16_linear(strided, packed, n, None, True).double(),
+        strided.double() @ w.double().T,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_bf16_dot_linear_refuses_what_it_cannot_multiply() -> None:
+    packed = torch.ops.baton.bf16_pack(torch.zeros(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K must be even"):
+        torch.ops.baton.bf16_pack(torch.zeros(4, 7, dtype=torch.bfloat16))
+    if not torch.ops.baton.bf16_dot_available():
+        return  # refused before any check (the test above)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.baton.bf16_linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, 32, None, False)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.baton.bf16_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 33, None, False)
+    with pytest.raises(RuntimeError, match="bf16 tensor"):
+        torch.ops.baton.bf16_linear(torch.zeros(2, 8), packed, 32, None, False)
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.baton.bf16_linear(
+            torch.zeros(2, 8, dtype=torch.bfloat16), packed, 32, torch.zeros(32, dtype=torch.bfloat16), False
+        )
+
+
+def test_a_bf16_model_takes_the_dot_kernel_where_the_cpu_has_it() -> None:
+    """Every projection and the logits head (fp32 logits) on AVX512-BF16; oneDNN's packed layers elsewhere."""
+    from engine.linear import Bf16DotLinear, PackedLinear
+    from engine.llm import LLM
+
+    model = LLM(dtype="bfloat16", kv_cache_memory=8 << 20).engine.runner.model
+    kinds = {type(m) for m in model.layers.modules() if isinstance(m, Bf16DotLinear | PackedLinear)}
+    if torch.ops.baton.bf16_dot_available():
+        assert kinds == {Bf16DotLinear}
+        assert isinstance(model.lm_head, Bf16DotLinear) and model.lm_head.fp32_out
+        h = torch.randn(3, model.config.hidden_size).bfloat16()
+        assert model.compute_logits(h).dtype == torch.float32
+    else:
+        assert kinds == {PackedLinear} and isinstance(model.lm_head, PackedLinear)
+
+
 def test_the_torch_fallback_serves_when_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(3, 8)
     w = torch.ones(8)
@@ -161,7 +229,10 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
         EngineConfig(model=str(path), dtype=dtype, quantization=quantization, kv_cache_memory=8 << 20)
     )
     model, runner = engine.runner.model, engine.runner
-    assert model._decode_plan() is not None
+    plan = model._decode_plan()
+    assert plan is not None
+    if dtype == "bfloat16" and quantization == "none" and torch.ops.baton.bf16_dot_available():
+        assert plan[0] == 3  # the projections packed for AVX512-BF16 dot products
     g = torch.Generator().manual_seed(3)
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=g).to(runner.kv_cache.dtype))
     lens = [1, 7, 16, 25, 40]
