@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 # Torch-free at import, so the launcher and the CLI take the choices from here without loading torch.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
+LOAD_FORMATS = ("auto", "dummy")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # On CPU a step's time grows with its rows: 4 decodes of the default model take 17 ms alone, 23 ms with
 # 16 prompt tokens, 28 with 32, 36 with 64 (2 threads, docs/ENGINE.md). 32 keeps a decoding stream's
@@ -48,6 +49,14 @@ class EngineConfig:
         metadata={
             "choices": QUANTIZATIONS,
             "help": "int8: weight-only int8 (per output channel) quantized at load; a model version of its own",
+        },
+    )
+    load_format: str = field(
+        default="auto",
+        metadata={
+            "choices": LOAD_FORMATS,
+            "help": "dummy: random weights of the checkpoint's shapes, no weight file read (benchmarks on a "
+            "config.json alone, as vLLM's --load-format dummy); a model version of its own",
         },
     )
     block_size: int = field(default=16, metadata={"choices": BLOCK_SIZES, "help": "tokens per KV block"})
@@ -110,6 +119,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+            )
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}"
             )
 
     def resolved_mixed_prefill_tokens(self) -> int:

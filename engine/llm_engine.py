@@ -81,7 +81,13 @@ class LLMEngine:
             model_len = config.max_model_len
         self.max_model_len = min(model_len, capacity)
         model = load_model(
-            self.model_dir, self.model_config, dtype, device, self.max_model_len + 1, config.quantization
+            self.model_dir,
+            self.model_config,
+            dtype,
+            device,
+            self.max_model_len + 1,
+            config.quantization,
+            config.load_format,
         )
         _return_freed_memory()  # the checkpoint's fp32 copies and the weights before packing or quantizing
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -225,7 +231,11 @@ class LLMEngine:
         """The served model's identity in the cluster: the checkpoint's digest, and for a quantized twin
         a digest of that and the quantization (so its KV never mixes with the original's)."""
         if self._model_version is None:
-            digest = model_digest(self.model_dir)
+            if self.config.load_format == "dummy":  # random weights: never the checkpoint's version
+                config_json = (self.model_dir / "config.json").read_bytes()
+                digest = hashlib.sha256(b"dummy-v1:" + config_json).hexdigest()[:16]
+            else:
+                digest = model_digest(self.model_dir)
             if self.config.quantization != "none":
                 digest = hashlib.sha256(f"{digest}+{self.config.quantization}-woq-v1".encode()).hexdigest()[
                     :16

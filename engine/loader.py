@@ -35,12 +35,14 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 def resolve_model_dir(model: str | Path | None) -> Path:
     """The directory to load for ``--model``: None = the default model, a .gguf file, or an HF dir."""
-    from engine import gguf_convert
-
     if model is None:
+        from engine import gguf_convert  # the gguf package is needed only to convert a GGUF
+
         return gguf_convert.prepare_default_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        from engine import gguf_convert
+
         return gguf_convert.prepare_gguf_model(path)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -76,9 +78,11 @@ def load_model(
     device: torch.device,
     max_positions: int,
     quantization: str = "none",
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """Builds the model without initialising it, fills every parameter from the checkpoint, then puts
-    the projections in their fast form (packed bf16, or int8 with ``quantization="int8"``)."""
+    the projections in their fast form (packed bf16, or int8 with ``quantization="int8"``).
+    ``load_format="dummy"`` fills them with seeded random values instead and reads no weight file."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions=max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -88,6 +92,10 @@ def load_model(
     params = dict(model.named_parameters())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     splits = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+    if load_format == "dummy":
+        _fill_random(params)
+        prepare_linears(model, quantization, dtype, device)
+        return model.eval()
     loaded: set[str] = set()
     for file in safetensors_files(path):
         try:
@@ -122,6 +130,17 @@ def load_model(
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     prepare_linears(model, quantization, dtype, device)
     return model.eval()
+
+
+def _fill_random(params: dict[str, torch.nn.Parameter]) -> None:
+    """Norm weights 1, everything else N(0, 0.02) from a fixed seed: the shapes and bytes of the real
+    checkpoint, activations of a sane size, the same values on every run of one device."""
+    gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(0)
+    for name, p in params.items():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:

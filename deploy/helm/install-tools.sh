@@ -20,7 +20,13 @@ fi
 dir="$1"
 bin="$dir/bin"
 
-if [[ -x "$bin/helm" && -x "$bin/kubectl" ]] && "$bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
+# Outputs are captured whole, never piped into `head` or `grep -q`: under pipefail a reader that stops
+# early kills the writer with SIGPIPE and the script fails with 141 (it did on CI).
+installed=""
+if [[ -x "$bin/helm" ]]; then
+    installed="$("$bin/helm" version --short 2>/dev/null || true)"
+fi
+if [[ -x "$bin/kubectl" && "$installed" == "$HELM_VERSION"* ]]; then
     # Touched so that make, which compares the binary with this script, sees it as up to date.
     touch "$bin/helm" "$bin/kubectl"
     exit 0
@@ -72,4 +78,5 @@ if wanted:
 EOF
 
 "$bin/helm" version --short
-"$bin/kubectl" version --client=true 2>/dev/null | head -n 1
+kubectl_version="$("$bin/kubectl" version --client=true 2>/dev/null)"
+echo "${kubectl_version%%$'\n'*}"

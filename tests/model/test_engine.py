@@ -188,6 +188,31 @@ def test_model_load_errors_name_the_problem(tmp_path: Path, tiny_llama: Path) ->
         LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 20, max_model_len=100_000))
 
 
+def test_dummy_weights_need_only_the_config_and_are_a_version_of_their_own(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    """--load-format dummy (benchmarks of a model's shapes without its weights, e.g. on a GPU machine
+    that cannot fetch them): no weight file is read, the runs are reproducible, and the version differs
+    from the real checkpoint's, so its KV never mixes with the real weights'."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.suffix != ".safetensors":
+            (bare / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLMEngine(EngineConfig(model=str(bare)))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = [LLM(model=str(bare), load_format="dummy", kv_cache_memory=8 << 20) for _ in range(2)]
+    outs = [llm.generate([[1, 2, 3, 4]], params)[0].token_ids for llm in runs]
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+    real = LLM(model=str(tiny_llama), kv_cache_memory=8 << 20)
+    assert real.generate([[1, 2, 3, 4]], params)[0].token_ids != outs[0]
+    versions = {runs[0].engine.model_version, real.engine.model_version}
+    assert len(versions) == 2
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig(load_format="random")
+
+
 class _StuckPull:
     """A pull whose copy thread is still writing after cancel (a transport-level double: the engine's
     rule is tested here; the real transports' hung and killed sources are in tests/integration)."""
