@@ -44,7 +44,7 @@ SLO_TPOT_MS = 200.0
 SLO_SHARE = 0.9
 MISSION_TTFT_P95_MS = 250.0
 MISSION_ITL_P95_MS = 30.0
-RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0)
+RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 20.0, 24.0)
 DURATION_S = 30.0
 MIN_REQUESTS = 16
 GOAL_RATIO = 2.0
@@ -116,45 +116,25 @@ def default_gguf() -> Path | None:
     return found[0] if found else None
 
 
+def _baton(name: str, flags: list[str]) -> System:
+    """`baton up` with these flags, its gateway's HTTP on a free port."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", *flags]
+    argv += ["--grpc-port", str(_free_port()), "--http-port", str(port)]
+    return System(name, argv, port, ["--ignore-eos"], ready_path="/health")
+
+
 def systems(model_dir: str) -> list[System]:
     """Baton and the two peers, each on a free port, with both cores."""
-    baton_port, tf_port, llama_port = _free_port(), _free_port(), _free_port()
-    colocated_port = _free_port()
+    tf_port, llama_port = _free_port(), _free_port()
     out = [
-        System(
-            "Baton (baton up: P + D)",
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--grpc-port",
-                str(_free_port()),
-                "--http-port",
-                str(baton_port),
-            ],
-            baton_port,
-            ["--ignore-eos"],
-            ready_path="/health",
-        ),
-        System(
-            "Baton (baton up --colocated: one worker, both cores)",
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--colocated",
-                "--threads",
-                "2",
-                "--grpc-port",
-                str(_free_port()),
-                "--http-port",
-                str(colocated_port),
-            ],
-            colocated_port,
-            ["--ignore-eos"],
-            ready_path="/health",
+        _baton("Baton (baton up: P + D)", []),
+        _baton("Baton (baton up --colocated: one worker, both cores)", ["--colocated", "--threads", "2"]),
+        # The quantized twin as a user serves it: one flag (weight-only int8, its own model version).
+        _baton("Baton (baton up --quantization int8: P + D)", ["--quantization", "int8"]),
+        _baton(
+            "Baton (baton up --colocated --quantization int8)",
+            ["--colocated", "--threads", "2", "--quantization", "int8"],
         ),
     ]
     tf = System(
@@ -508,7 +488,9 @@ def render(
             "llama.cpp runs the model as shipped in its GGUF (Q4_1: 4.5 bits per weight) and requantized to "
             f"Q8_0, with {LLAMA_SLOTS} slots of 512 tokens and continuous batching (`-np {LLAMA_SLOTS} -cb`), 2 "
             "threads, built with `-march=native` less AMX (`benchmarks/peers/build_llama_server.sh`: its AMX "
-            "path crashed here); Baton and transformers run the bf16/fp32 weights dequantized from that GGUF. Output length "
+            "path crashed here); Baton and transformers run the weights dequantized from that GGUF (Baton in its "
+            "default dtype, bf16 on this CPU, or quantized at load to weight-only int8 with `--quantization "
+            "int8`; transformers in fp32). P + D gives each worker one core, --colocated one worker both. Output length "
             "is forced with `ignore_eos` (llama.cpp, Baton) and `min_new_tokens` (transformers). Per-rate JSON "
             "results (vLLM's field names) are written where `--log-dir` points; `loadgen compare` puts them "
             "side by side.",

@@ -107,6 +107,10 @@ class Membership:
                 backoff = min(5.0, backoff * 2)
 
     async def _fence_if_lapsed(self) -> None:
+        # `_acked` is when the last heartbeat the registry took was *sent*: the registry refreshed the
+        # TTL somewhere between sending and the reply, so the send is the safe end of the last known
+        # life. (Taken at the reply, a worker frozen with a reply in flight woke, read that old reply
+        # as fresh, and re-registered without fencing what it held: its streams had moved on.)
         lapse = time.monotonic() - self._acked
         if not self.epoch or lapse <= self.ttl_s:
             return  # a registry that lost its state (Redis restarted empty): nothing was given away
@@ -136,6 +140,7 @@ class Membership:
             load = self._load(await self.aengine.call(self._info))
             if _key(load) == self._sent:
                 continue
+            sent_at = time.monotonic()
             reply = await self._stub.Heartbeat(
                 scheduler_pb2.HeartbeatRequest(
                     address=self.address, load=load, load_only=True, epoch=self.epoch
@@ -144,7 +149,7 @@ class Membership:
             )
             if not reply.known:
                 return False
-            self._acked = time.monotonic()
+            self._acked = sent_at
             self._sent = _key(load)
         return True
 
@@ -172,12 +177,13 @@ class Membership:
             kv_backend=info.kv_backend,
         )
         load = self._load(info)
+        sent_at = time.monotonic()
         reply = await self._stub.RegisterWorker(
             scheduler_pb2.RegisterWorkerRequest(worker=record, load=load), timeout=5.0
         )
         self._sent = _key(load)
         self.interval_s = max(0.05, reply.heartbeat_interval_s or 1.0)
-        self.ttl_s, self.epoch, self._acked = 3 * self.interval_s, reply.epoch, time.monotonic()
+        self.ttl_s, self.epoch, self._acked = 3 * self.interval_s, reply.epoch, sent_at
         self.address = info.address
         log.info(
             "registered with scheduler %s as %s (%s), epoch %d",
@@ -190,6 +196,7 @@ class Membership:
     async def _beat(self, timeout_s: float = 5.0) -> bool:
         info, hashes = await self._snapshot()
         load = self._load(info)
+        sent_at = time.monotonic()
         reply = await self._stub.Heartbeat(
             scheduler_pb2.HeartbeatRequest(
                 address=info.address, load=load, cached_block_hashes=hashes, epoch=self.epoch
@@ -198,7 +205,7 @@ class Membership:
         )
         self._sent = _key(load)
         if reply.known:
-            self._acked = time.monotonic()
+            self._acked = sent_at
         return bool(reply.known)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BatonUp, Scrape, eventually, offline_tokens, start_baton_up
+from harness import BatonUp, Scrape, eventually, offline_tokens, on_redis, start_baton_up
 
 from baton.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.supervisor import is_serving
@@ -102,6 +102,13 @@ class Stream(threading.Thread):
 DECODERS = {"decode worker": "decode", "decode worker 2": "decode_2"}  # name → its /metrics in the banner
 
 
+def _registered(cluster: BatonUp) -> int:
+    """How many workers the registry holds now (live, draining ones included)."""
+    from scheduler.registry import WorkerRegistry
+
+    return len(on_redis(cluster.redis, lambda client: WorkerRegistry(client).all_workers()))
+
+
 def _streams_on(cluster: BatonUp) -> dict[str, float]:
     return {
         name: Scrape(cluster.metrics[page]).value("baton_worker_requests_running")
@@ -124,6 +131,10 @@ def test_a_killed_process_comes_back_and_every_stream_completes_token_exactly(
     up: tuple[BatonUp, Path], offline: list[list[int]], victim: str, how: signal.Signals
 ) -> None:
     cluster, log_dir = up
+    # Every worker registered first: the case before may have restarted the scheduler or a worker, and
+    # a worker re-registers after its backoff (up to 5 s). A drain with no other decode worker registered
+    # has nowhere to move its streams: they end UNAVAILABLE, rightly, but that is not this case.
+    eventually(lambda: _registered(cluster) == 3, 30, "every worker registered", 0.1)
     migrations = Scrape(cluster.metrics["gateway"]).value("baton_gateway_migrations_total")
     with grpc.insecure_channel(cluster.grpc) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
