@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -280,6 +281,128 @@ inline void prefetch_block(const T* base, int64_t count) {
   for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
+// Lane t of the result is the sum of a[t]'s 16 lanes: 16 horizontal sums in 45 instructions, where
+// 16 `_mm512_reduce_add_ps` take about 130 (a serial chain of extracts and adds each).
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (row 2i, row 2i+1) partial sums, two each
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: rows 4i .. 4i+3, that lane's share of each
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Lane k of the result must be the sum of c[k]'s four lanes: a 4 x 4 transpose of 128-bit lanes.
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#if defined(__AVX512BF16__)
+// Pass 1 of a span in bf16 on a CPU with AVX512-BF16: the scores of up to 16 context positions at a time
+// for each head, q . k by `vdpbf16ps` straight from the bf16 rows (each product exact in fp32, fp32
+// sums: the products the fp32 widening computes, summed in another order), then 16 sums at once.
+template <int64_t HD>
+void span_scores_bf16(const at::BFloat16* q, int64_t qs_head, int64_t nh, int64_t g, const at::BFloat16* kp,
+                      const int64_t* table, int64_t lo, int64_t n, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
+                      float scale, float* sc) {
+  constexpr int64_t W = HD / 32;  // 32 bf16 per register
+  const int64_t kvh = nh / g;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t p = 0;
+  for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
+    const int64_t cnt = std::min(bs - off, n - p);
+    const at::BFloat16* kbase = kp + table[blk] * kb + off * kt;
+    if (p + cnt < n) prefetch_block(kp + table[blk + 1] * kb, bs * kt);
+    for (int64_t t0 = 0; t0 < cnt; t0 += 16) {
+      const int64_t m = std::min<int64_t>(16, cnt - t0);
+      const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
+      for (int64_t x = 0; x < kvh; ++x) {
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t hd = x * g + j;
+          __m512bh qv[W];
+          for (int64_t c = 0; c < W; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + hd * qs_head + c * 32);
+          __m512 acc[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            acc[t] = _mm512_setzero_ps();
+            if (t >= m) continue;
+            const at::BFloat16* kr = kbase + (t0 + t) * kt + x * kh;
+            for (int64_t c = 0; c < W; ++c)
+              acc[t] = _mm512_dpbf16_ps(acc[t], qv[c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+          }
+          _mm512_mask_storeu_ps(sc + hd * n + p + t0, keep, _mm512_mul_ps(sum_lanes16(acc), vscale));
+        }
+      }
+    }
+    p += cnt;
+  }
+}
+
+// Pass 2 of a span in bf16 with AVX512-BF16: part[h][0 .. HD) = sum_p w_p v_p, two positions per
+// `vdpbf16ps` (their V rows interleaved, their weights a bf16 pair), with w = e^(s - m) rounded to bf16
+// as flash attention rounds P before P.V; the sums stay fp32, and so does the softmax denominator.
+// The interleave leaves the accumulators' columns permuted within each 32-column group; they are put
+// back in order once, at the end of the span.
+template <int64_t HD>
+void span_values_bf16(int64_t nh, int64_t g, const at::BFloat16* vp, const int64_t* table, int64_t lo, int64_t n,
+                      int64_t bs, int64_t vb, int64_t vt, int64_t vh, const float* sc, uint16_t* wb, float* part) {
+  constexpr int64_t W = HD / 32;
+  constexpr int64_t JB = W <= 2 ? 4 : 2;  // heads per pass over V: JB * 2W accumulators in registers
+  const int64_t kvh = nh / g;
+  for (int64_t h = 0; h < nh; ++h) {  // the weights in bf16, n per head
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + h * n + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + h * n + i)));
+    for (; i < n; ++i) wb[h * n + i] = c10::BFloat16(sc[h * n + i]).x;
+  }
+  for (int64_t x = 0; x < kvh; ++x) {
+    for (int64_t j0 = 0; j0 < g; j0 += JB) {
+      const int64_t gj = std::min<int64_t>(JB, g - j0);
+      __m512 acc[JB][2 * W];
+      for (int64_t j = 0; j < JB; ++j)
+        for (int64_t c = 0; c < 2 * W; ++c) acc[j][c] = _mm512_setzero_ps();
+      int64_t p = 0;
+      for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
+        const int64_t cnt = std::min(bs - off, n - p);
+        const at::BFloat16* vbase = vp + table[blk] * vb + off * vt + x * vh;
+        for (int64_t t = 0; t < cnt; t += 2) {
+          const bool pair = t + 1 < cnt;  // an odd last row pairs with itself at weight 0
+          const at::BFloat16* r0 = vbase + t * vt;
+          const at::BFloat16* r1 = pair ? r0 + vt : r0;
+          __m512i mix[2 * W];
+          for (int64_t c = 0; c < W; ++c) {
+            const __m512i a = _mm512_loadu_si512(r0 + c * 32), b = _mm512_loadu_si512(r1 + c * 32);
+            mix[2 * c] = _mm512_unpacklo_epi16(a, b);
+            mix[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+          }
+          for (int64_t j = 0; j < gj; ++j) {
+            const uint16_t* wj = wb + (x * g + j0 + j) * n + p + t;
+            const uint32_t w2 = static_cast<uint32_t>(wj[0]) | (pair ? static_cast<uint32_t>(wj[1]) << 16 : 0u);
+            const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w2));
+            for (int64_t c = 0; c < 2 * W; ++c) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], wv, (__m512bh)mix[c]);
+          }
+        }
+        p += cnt;
+      }
+      for (int64_t j = 0; j < gj; ++j) {
+        float* out = part + (x * g + j0 + j) * (HD + 2);
+        for (int64_t c = 0; c < W; ++c) {
+          // lo holds columns {0-3, 8-11, 16-19, 24-27} of this group, hi {4-7, 12-15, 20-23, 28-31}.
+          const __m512 lo_ = acc[j][2 * c], hi_ = acc[j][2 * c + 1];
+          const __m512 first = _mm512_shuffle_f32x4(lo_, hi_, _MM_SHUFFLE(1, 0, 1, 0));
+          const __m512 second = _mm512_shuffle_f32x4(lo_, hi_, _MM_SHUFFLE(3, 2, 3, 2));
+          _mm512_storeu_ps(out + c * 32, _mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0)));
+          _mm512_storeu_ps(out + c * 32 + 16, _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0)));
+        }
+      }
+    }
+  }
+}
+#endif
+
 // The AVX-512 form, for head dims that are a multiple of 16: one work item is a span of n context
 // positions of one sequence, all its heads, walked block by block so that each block's K (then V) rows
 // of every head are read once, contiguously. It leaves unnormalized partial results for the merge:
@@ -292,13 +415,19 @@ void attend_span_avx512(const T* q, int64_t qs_head, int64_t nh, int64_t g, cons
   constexpr int64_t V = HD / 16;
   constexpr int64_t JB = V <= 4 ? 4 : 2;  // heads per V pass: JB * V accumulators + V rows in registers
   const int64_t kvh = nh / g;
-  buf.resize(nh * HD + nh * n);
+  buf.resize(nh * HD + nh * n + (nh * n + 1) / 2);  // q, scores, the bf16 weights of pass 2
   float* qf = buf.data();  // [nh][HD], scaled
   float* sc = qf + nh * HD;  // [nh][n]
   for (int64_t h = 0; h < nh; ++h)
     for (int64_t i = 0; i < HD; ++i) qf[h * HD + i] = load(q + h * qs_head + i) * scale;
   // Pass 1: scores, block by block.
   int64_t p = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && HD % 32 == 0) {
+    span_scores_bf16<HD>(q, qs_head, nh, g, kp, table, lo, n, bs, kb, kt, kh, scale, sc);
+    p = n;  // the loop below has nothing left to do
+  }
+#endif
   for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
     const int64_t cnt = std::min(bs - off, n - p);
     const T* kbase = kp + table[blk] * kb + off * kt;
@@ -328,6 +457,13 @@ void attend_span_avx512(const T* q, int64_t qs_head, int64_t nh, int64_t g, cons
     out[HD + 1] = sum;
   }
   // Pass 2: weighted V rows, block by block; each block's accumulators live in registers.
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && HD % 32 == 0) {
+    span_values_bf16<HD>(nh, g, vp, table, lo, n, bs, vb, vt, vh, buf.data() + nh * HD,
+                         reinterpret_cast<uint16_t*>(buf.data() + nh * HD + nh * n), part);
+    return;
+  }
+#endif
   p = 0;
   for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
     const int64_t cnt = std::min(bs - off, n - p);

@@ -76,11 +76,17 @@ def test_rope_and_cache_rotates_strided_views_and_fills_the_slots(dtype: torch.d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 5])
-def test_varlen_decode_attention_matches_the_padded_reference(dtype: torch.dtype, window: int | None) -> None:
+@pytest.mark.parametrize("window", [None, 5, 29])
+# d 64 and 128 take the AVX-512 span kernel (and, in bf16 on a CPU with AVX512-BF16, its vdpbf16ps
+# passes: scores 16 positions at a time, V two rows at a time); d 32 the generic one. Blocks of 16 with
+# odd lengths and windows leave partial groups of 16 and odd rows.
+@pytest.mark.parametrize(("d", "bs"), [(32, 4), (64, 16), (128, 16)])
+def test_varlen_decode_attention_matches_the_padded_reference(
+    dtype: torch.dtype, window: int | None, d: int, bs: int
+) -> None:
     g = torch.Generator().manual_seed(2)
-    h, kvh, d, bs, nb = 6, 2, 32, 4, 48
-    lens = [1, 37, 4, 13, 100]  # one long sequence among short ones
+    h, kvh, nb = 6, 2, 48
+    lens = [1, 37, 4, 13, 100, 49]  # one long sequence among short ones
     cache = torch.randn(nb, 2, bs, kvh, d, generator=g).to(dtype)
     perm = torch.randperm(nb, generator=g).tolist()  # blocks scattered over the cache
     tables, at = [], 0
