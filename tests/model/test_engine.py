@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,15 @@ def test_invalid_requests_are_clear_errors(tiny_llama: Path) -> None:
     assert not engine.has_unfinished
 
 
+def _copy_model(src: Path, dst: Path, keep: Callable[[Path], bool]) -> Path:
+    """A copy of the model directory ``src`` with only the files ``keep`` accepts."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if keep(f):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
 def test_model_load_errors_name_the_problem(tmp_path: Path, tiny_llama: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
@@ -174,11 +184,7 @@ def test_model_load_errors_name_the_problem(tmp_path: Path, tiny_llama: Path) ->
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         LLMEngine(EngineConfig(model=str(tmp_path)))
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in tiny_llama.iterdir():
-        if f.name != "model.safetensors":
-            (broken / f.name).write_bytes(f.read_bytes())
+    broken = _copy_model(tiny_llama, tmp_path / "broken", lambda f: f.name != "model.safetensors")
     with pytest.raises(ModelLoadError, match="safetensors"):
         LLMEngine(EngineConfig(model=str(broken)))
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -194,11 +200,7 @@ def test_dummy_weights_need_only_the_config_and_are_a_version_of_their_own(
     """--load-format dummy (benchmarks of a model's shapes without its weights, e.g. on a GPU machine
     that cannot fetch them): no weight file is read, the runs are reproducible, and the version differs
     from the real checkpoint's, so its KV never mixes with the real weights'."""
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in tiny_llama.iterdir():
-        if f.suffix != ".safetensors":
-            (bare / f.name).write_bytes(f.read_bytes())
+    bare = _copy_model(tiny_llama, tmp_path / "bare", lambda f: f.suffix != ".safetensors")
     with pytest.raises(ModelLoadError, match="safetensors"):
         LLMEngine(EngineConfig(model=str(bare)))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
