@@ -13,7 +13,9 @@ After loading, `prepare_linears` replaces each `nn.Linear` of the decoder layers
   multiplied as bf16. The logits head stays bf16.
 - **bf16 on a CPU with AVX512-BF16** → `Bf16DotLinear` instead: the weight packed for ``vdpbf16ps``
   (``baton::bf16_linear``, engine/csrc/bf16_dot.cpp), 1.4-2x faster than oneDNN at a decode step's
-  1-8 rows and as fast from 16 up. The logits head takes it too (int8 included), with fp32 logits:
+  1-8 rows and as fast from 16 up (Zen 4). On a CPU with AMX the same packed weights go through AMX
+  tiles (the layout is already AMX's B tile): measured on a Xeon with AMX, 2 threads, 16 rows x
+  1536x576 14 us vs 126 us on dot products and 73 us in oneDNN; a batch-16 decode step 79 → 18 ms. The logits head takes it too (int8 included), with fp32 logits:
   oneDNN's bf16 linear returns bf16 logits, whose rounding swapped near-tied tokens — teacher-forced
   against fp32 on the default model, argmax agreement 97.1% → 98.7% (bf16) and 94.9% → 95.7% (int8)
   with fp32 logits from the same weights. Elsewhere the head is a `PackedLinear`.

@@ -11,6 +11,10 @@
 // packed[N/16][K/2][16][2], so one 64-byte load holds the next pair of K for 16 channels, the operand
 // vdpbf16ps multiplies by a row's broadcast pair. Each thread owns a contiguous range of channel blocks.
 //
+// On a CPU with AMX-BF16 (and K a multiple of 32) the products go through AMX tiles instead, from the
+// same packed weights; baton::bf16_set_amx_min_rows picks the rows from which they do (1 by default, 0
+// never: the tests run both ways), baton::bf16_amx_available says whether they can.
+//
 // Registered as baton::bf16_pack and baton::bf16_linear (engine/cpu_ops.py loads this file with
 // cpu_ops.cpp); baton::bf16_dot_available says whether this build has the instructions.
 
@@ -25,6 +29,14 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define BATON_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
 #endif
 
 namespace {
@@ -114,6 +126,90 @@ constexpr TileFn kTiles[16] = {run_tile<1>,  run_tile<2>,  run_tile<3>,  run_til
                                run_tile<13>, run_tile<14>, run_tile<15>, run_tile<16>};
 #endif
 
+#if defined(BATON_AMX)
+// AMX (Sapphire Rapids and later): a tile multiply takes 16 rows x 32 K x 16 channels in one instruction,
+// where vdpbf16ps takes one row x 2 K x 16. The packed layout above is already AMX's B-tile layout (K/2
+// rows of 16 channel pairs, 64 bytes each), so one tile load takes 32 K of a 16-channel block as stored.
+// Linux hands a process the tile registers only on request (arch_prctl); asked once, process-wide.
+bool amx_ready() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
+    if (!tile || !bf16) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Rows from which bf16_linear takes the tiles (bf16_set_amx_min_rows; 0 = never).
+std::atomic<int64_t> g_amx_min_rows{1};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-2: sums of mt rows x 16 channels (fp32); 3: mt rows x 32 K of x; 4-6: 32 K x 16 channels.
+void configure(int mt) {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t < 4 ? mt : 16);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// NB channel blocks from b for rows m0 .. m0 + mt - 1 (the tiles configured for mt rows); K % 32 == 0.
+template <int NB>
+void amx_blocks(const at::BFloat16* x, int64_t k, int64_t m0, int mt, const uint16_t* wp, int64_t kp, int64_t b,
+                float* sums, const Store& out) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  const at::BFloat16* xa = x + m0 * k;
+  const uint16_t* w0 = wp + b * kp * 2 * kLanes;
+  const int64_t block_elems = kp * 2 * kLanes;
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    _tile_loadd(3, xa + k0, k * 2);
+    const uint16_t* wk = w0 + (k0 / 2) * 2 * kLanes;
+    _tile_loadd(4, wk, 64);
+    if constexpr (NB > 1) _tile_loadd(5, wk + block_elems, 64);
+    if constexpr (NB > 2) _tile_loadd(6, wk + 2 * block_elems, 64);
+    _tile_dpbf16ps(0, 3, 4);
+    if constexpr (NB > 1) _tile_dpbf16ps(1, 3, 5);
+    if constexpr (NB > 2) _tile_dpbf16ps(2, 3, 6);
+  }
+  _tile_stored(0, sums, 64);
+  if constexpr (NB > 1) _tile_stored(1, sums + 256, 64);
+  if constexpr (NB > 2) _tile_stored(2, sums + 512, 64);
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < mt; ++r) out(m0 + r, (b + j) * kLanes, _mm512_loadu_ps(sums + j * 256 + r * 16));
+}
+
+void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint16_t* wp, int64_t kp, int64_t b0, int64_t b1,
+                const Store& out) {
+  alignas(64) float sums[3 * 256];
+  int configured = 0;
+  for (int64_t m0 = 0; m0 < m; m0 += 16) {
+    const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));
+    if (mt != configured) {
+      configure(mt);
+      configured = mt;
+    }
+    int64_t b = b0;
+    for (; b + 3 <= b1; b += 3) amx_blocks<3>(x, k, m0, mt, wp, kp, b, sums, out);
+    if (b1 - b == 2) amx_blocks<2>(x, k, m0, mt, wp, kp, b, sums, out);
+    if (b1 - b == 1) amx_blocks<1>(x, k, m0, mt, wp, kp, b, sums, out);
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
 
 namespace baton {
@@ -143,6 +239,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                     has_bias ? bias->data_ptr<float>() : nullptr, n};
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
+#if defined(BATON_AMX)
+  const int64_t amx_rows = g_amx_min_rows.load(std::memory_order_relaxed);
+  if (k % 32 == 0 && amx_rows > 0 && m >= amx_rows && amx_ready()) {
+    const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { amx_linear(xb, m, k, wp, kp, b0, b1, store); });
+    return out;
+  }
+#endif
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     std::vector<uint32_t> xt(static_cast<size_t>(16 * kp));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
@@ -162,10 +266,30 @@ namespace {
 
 bool available() { return bf16_dot_available(); }
 
+bool amx_available() {
+#if defined(BATON_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// Sets the rows from which bf16_linear multiplies on AMX tiles (0: never) and returns the previous value.
+int64_t set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "bf16_set_amx_min_rows: rows must be >= 0");
+#if defined(BATON_AMX)
+  return g_amx_min_rows.exchange(rows);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("bf16_dot_available() -> bool", &available);
+  m.def("bf16_amx_available() -> bool", &amx_available);
+  m.def("bf16_set_amx_min_rows(int rows) -> int", &set_amx_min_rows);
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, bool fp32_out) -> Tensor");
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -141,12 +143,24 @@ def test_int8_linear_refuses_what_it_cannot_multiply() -> None:
         torch.ops.baton.int8_linear(torch.zeros(2, 32), q.float(), s)
 
 
+@pytest.fixture(params=["dot", "amx"])
+def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both ways baton::bf16_linear multiplies: AVX512-BF16 dot products, and AMX tiles where the CPU has
+    them (K a multiple of 32). On a CPU without AMX, asking for the tiles must leave the dot products."""
+    previous = torch.ops.baton.bf16_set_amx_min_rows(1 if request.param == "amx" else 0)
+    yield request.param
+    torch.ops.baton.bf16_set_amx_min_rows(previous)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13, 16, 17, 40])
-@pytest.mark.parametrize(("n", "k"), [(37, 40), (96, 576), (48, 2)])  # 37: a last block of 5 channels
-def test_bf16_dot_linear_matches_fp32_products_of_the_same_values(rows: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "k"), [(37, 40), (96, 576), (48, 2), (37, 64), (1536, 576)])
+def test_bf16_dot_linear_matches_fp32_products_of_the_same_values(
+    rows: int, n: int, k: int, bf16_path: str
+) -> None:
     """baton::bf16_linear sums exact bf16 x bf16 products in fp32: fp32 out equals a float64 reference to
     fp32 rounding; bf16 out (with a bias) is that sum rounded once. Where the CPU has no AVX512-BF16 the
-    op must refuse, and the model keeps oneDNN's packed layers (test below)."""
+    op must refuse, and the model keeps oneDNN's packed layers (test below). 37: a last block of 5
+    channels; K = 64 and 576 take the AMX tiles (whole 32-column chunks), 40 and 2 the dot products."""
     g = torch.Generator().manual_seed(rows * 100 + n)
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -164,7 +178,11 @@ def test_bf16_dot_linear_matches_fp32_products_of_the_same_values(rows: int, n: 
     got = torch.ops.baton.bf16_linear(x, packed, n, bias, False)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(
-        got.float(), (want + bias.double()).float().bfloat16().float(), atol=0, rtol=1e-2
+        # atol as above: a sum near zero, its fp32 error a few ulps of itself, may round to the next bf16.
+        got.float(),
+        (want + bias.double()).float().bfloat16().float(),
+        atol=1e-5,
+        rtol=1e-2,
     )
     strided = torch.randn(rows, 2 * k, generator=g).bfloat16()[:, ::2]  # a non-contiguous x is copied first
     torch.testing.assert_close(
