@@ -37,29 +37,44 @@ class Agreement:
 
 @torch.inference_mode()
 def teacher_forced_logits(
-    model: LlamaForCausalLM, token_ids: Sequence[int], block_size: int = 16
+    model: LlamaForCausalLM, token_ids: Sequence[int], block_size: int = 16, rows_per_step: int | None = None
 ) -> torch.Tensor:
-    """fp32 logits ``[n, V]`` of positions 0..n-1 of ``token_ids`` (row i predicts token i + 1)."""
+    """fp32 logits ``[n, V]`` of positions 0..n-1 of ``token_ids`` (row i predicts token i + 1).
+
+    One prefill by default. With ``rows_per_step`` the tokens go in steps of that many rows, each row a
+    query of its own over the cache written so far — the shape of a decode step, so a decode step's
+    kernels (the one-call decode stack, the int8 kernel at up to 16 rows) make the figures."""
     n = len(token_ids)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     num_blocks = -(-n // block_size)
     kv = torch.zeros(kv_cache_shape(model.config, num_blocks, block_size), dtype=dtype, device=device)
-    positions = torch.arange(n, device=device)
+    views = layer_views(kv)
     table = torch.arange(num_blocks, device=device)
-    meta = AttentionMetadata(
-        positions=positions,
-        slot_blocks=positions // block_size,
-        slot_offsets=positions % block_size,
-        num_decode_tokens=0,
-        decode_block_tables=torch.empty(0, 0, dtype=torch.long, device=device),
-        decode_ctx_lens=torch.empty(0, dtype=torch.long, device=device),
-        prefills=[PrefillSpan(0, n, 0, table, None)],
-        block_tables=table.unsqueeze(0),
-        token_seq_ids=torch.zeros(n, dtype=torch.int32, device=device),
-    )
-    hidden = model(torch.tensor(list(token_ids), dtype=torch.long, device=device), meta, layer_views(kv))
-    return model.compute_logits(hidden)
+    tokens = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    step = n if rows_per_step is None else rows_per_step
+    logits = []
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        positions = torch.arange(start, end, device=device)
+        rows = rows_per_step is not None
+        row_tables = table.unsqueeze(0).expand(end - start, -1).contiguous() if rows else None
+        row_lens = positions + 1 if rows else None
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_blocks=positions // block_size,
+            slot_offsets=positions % block_size,
+            num_decode_tokens=0,
+            decode_block_tables=torch.empty(0, 0, dtype=torch.long, device=device),
+            decode_ctx_lens=torch.empty(0, dtype=torch.long, device=device),
+            prefills=[PrefillSpan(0, end - start, start, table, None, row_tables, row_lens)],
+            block_tables=table.unsqueeze(0),
+            token_seq_ids=torch.zeros(end - start, dtype=torch.int32, device=device),
+            row_block_tables=row_tables,
+            row_ctx_lens=row_lens,
+        )
+        logits.append(model.compute_logits(model(tokens[start:end], meta, views)))
+    return torch.cat(logits)
 
 
 def compare(
@@ -124,9 +139,17 @@ def sample_texts(llm: Any, prompts: Sequence[str], num_tokens: int, seed: int = 
 
 
 def evaluate(
-    reference: Any, candidate: Any, sequences: Sequence[Sequence[int]], num_last: int | None
+    reference: Any,
+    candidate: Any,
+    sequences: Sequence[Sequence[int]],
+    num_last: int | None,
+    rows_per_step: int | None = None,
 ) -> Agreement:
-    """`compare` of two `engine.LLM`s' teacher-forced logits over ``sequences``."""
+    """`compare` of two `engine.LLM`s' teacher-forced logits over ``sequences`` (the candidate's in steps
+    of ``rows_per_step`` rows when given: see `teacher_forced_logits`)."""
     ref = [teacher_forced_logits(reference.engine.runner.model, s) for s in sequences]
-    cand = [teacher_forced_logits(candidate.engine.runner.model, s) for s in sequences]
+    cand = [
+        teacher_forced_logits(candidate.engine.runner.model, s, rows_per_step=rows_per_step)
+        for s in sequences
+    ]
     return compare(ref, cand, sequences, num_last)

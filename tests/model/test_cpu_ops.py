@@ -143,6 +143,108 @@ def test_int8_linear_refuses_what_it_cannot_multiply() -> None:
         torch.ops.baton.int8_linear(torch.zeros(2, 32), q.float(), s)
 
 
+PACKED_INT8 = bool(torch.ops.baton.int8_packed_available()) if cpu_ops.kernels_enabled() else False
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 41), (130, 576), (48, 2100)])
+def test_int8_pack_round_trips_and_pads_with_zeros(n: int, k: int) -> None:
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    packed = torch.ops.baton.int8_pack(q)
+    assert packed.shape == (-(-n // 16), -(-k // 2), 16, 2) and packed.dtype == torch.int8
+    assert torch.equal(torch.ops.baton.int8_unpack(packed, n, k), q)
+    assert int(packed.abs().sum()) == int(q.abs().sum())  # the padding holds zeros only
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.baton.int8_unpack(packed, n + 16, k)
+
+
+# The packed form (AVX512-VNNI): rows quantized to int16 per row, int32 sums flushed every 512 pairs of K
+# (2100 crosses two flushes), N and K not multiples of the block (37, 41: padded channels and a lone column).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 41), (130, 576), (48, 2100)])
+def test_packed_int8_linear_matches_its_dequantized_weights(rows: int, n: int, k: int) -> None:
+    from engine.linear import quantize_int8
+
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    q, scales = quantize_int8(torch.randn(n, k, generator=g))
+    scales = scales.bfloat16()
+    packed = torch.ops.baton.int8_pack(q)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    if not PACKED_INT8:  # this CPU has no VNNI: the packed form must refuse, not guess
+        with pytest.raises(RuntimeError, match="no packed int8 form"):
+            torch.ops.baton.int8_linear(x, packed, scales)
+        return
+    want = x.float() @ (q.float() * scales.float().unsqueeze(1)).T
+    got = torch.ops.baton.int8_linear(x, packed, scales)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # The 15-bit rows cost less than the bf16 output's rounding: within one bf16 step of each sum, plus a
+    # quantization step of the row (max|x| / 16383 times the sum of |w|) for sums that nearly cancel.
+    step = want.abs() * 2**-8 + x.float().abs().amax(1, keepdim=True) / 16383 * (
+        q.float().abs() * scales.float().unsqueeze(1)
+    ).sum(1)
+    assert ((got.float() - want).abs() <= step).all()
+    strided = torch.randn(rows, 2 * k, generator=g).bfloat16()[:, ::2]  # a non-contiguous x is copied first
+    want = strided.float() @ (q.float() * scales.float()[:, None]).T
+    torch.testing.assert_close(
+        torch.ops.baton.int8_linear(strided, packed, scales).float(), want, atol=0.05, rtol=2e-2
+    )
+
+
+def test_packed_int8_linear_keeps_an_outlier_channel_within_a_bf16_rounding() -> None:
+    """LLM hidden states have outlier channels: one at 1000x the rest must not drown the others."""
+    from engine.linear import quantize_int8
+
+    if not PACKED_INT8:
+        assert not torch.ops.baton.int8_packed_available()  # nothing else to compare on this CPU
+        return
+    g = torch.Generator().manual_seed(5)
+    q, scales = quantize_int8(torch.randn(256, 1536, generator=g))
+    scales = scales.bfloat16()
+    x = torch.randn(4, 1536, generator=g)
+    x[:, 7] = 1000.0
+    x = x.bfloat16()
+    exact = x.float() @ (q.float() * scales.float().unsqueeze(1)).T
+    widened = torch.ops.baton.int8_linear(x, q, scales).float()  # the row-major form: fp32-widened weights
+    packed = torch.ops.baton.int8_linear(x, torch.ops.baton.int8_pack(q), scales).float()
+    step = exact.abs() * 2**-7 + 1e-3 * exact.abs().max()
+    assert ((widened - exact).abs() <= step).all()
+    assert ((packed - exact).abs() <= step).all()
+
+
+def test_packed_int8_linear_refuses_what_it_cannot_multiply() -> None:
+    packed = torch.ops.baton.int8_pack(torch.zeros(32, 64, dtype=torch.int8))
+    s = torch.ones(32).bfloat16()
+    x = torch.zeros(2, 64).bfloat16()
+    if not PACKED_INT8:
+        with pytest.raises(RuntimeError, match="no packed int8 form"):
+            torch.ops.baton.int8_linear(x, packed, s)
+        return
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        torch.ops.baton.int8_linear(torch.zeros(17, 64).bfloat16(), packed, s)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.baton.int8_linear(torch.zeros(2, 66).bfloat16(), packed, s)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.baton.int8_linear(x, packed, torch.ones(50).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16 rows"):
+        torch.ops.baton.int8_linear(x.float(), packed, s.float())
+    with pytest.raises(RuntimeError, match="int8_pack"):
+        torch.ops.baton.int8_linear(x, packed.float(), s)
+
+
+def test_an_int8_model_packs_its_weights_where_the_cpu_has_vnni() -> None:
+    from engine.linear import Int8Linear
+
+    w = torch.randn(96, 64)
+    layer = Int8Linear(w, None, torch.bfloat16)
+    assert layer.packed == PACKED_INT8
+    assert layer.qweight.numel() == w.numel()  # the same bytes, in another order
+    assert not Int8Linear(w, None, torch.float32).packed  # fp32 rows take the row-major form
+    x = torch.randn(3, 64).bfloat16()
+    many = torch.randn(40, 64).bfloat16()  # a prefill: dequantized and multiplied as bf16
+    ref = layer.dequantized()
+    torch.testing.assert_close(layer(x).float(), x.float() @ ref.T, atol=0.05, rtol=2e-2)
+    torch.testing.assert_close(layer(many).float(), many.float() @ ref.T, atol=0.05, rtol=2e-2)
+
+
 @pytest.fixture(params=["dot", "amx"])
 def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Both ways baton::bf16_linear multiplies: AVX512-BF16 dot products, and AMX tiles where the CPU has

@@ -34,15 +34,20 @@ def sequences(versions: dict[str, LLM]) -> list[list[int]]:
     return sample_texts(versions["fp32"], default_prompts(NUM_PROMPTS), NUM_POSITIONS)
 
 
-def agreement(versions: dict[str, LLM], name: str, seqs: list[list[int]], num_last: int | None) -> Agreement:
-    return evaluate(versions["fp32"], versions[name], seqs, num_last)
+def agreement(
+    versions: dict[str, LLM], name: str, seqs: list[list[int]], num_last: int | None, rows: int | None = None
+) -> Agreement:
+    return evaluate(versions["fp32"], versions[name], seqs, num_last, rows_per_step=rows)
 
 
+# The candidate fed in one prefill, or in steps of 16 rows that each attend on their own: a decode step's
+# shape, so the decode kernels (the one-call stack, the int8 kernel with its integer form) are judged too.
+@pytest.mark.parametrize("rows", [None, 16], ids=["prefill", "decode-steps"])
 @pytest.mark.parametrize(("name", "min_agreement"), [("bf16", 0.96), ("int8", 0.935)])
 def test_next_token_argmax_agrees_with_fp32(
-    versions: dict[str, LLM], sequences: list[list[int]], name: str, min_agreement: float
+    versions: dict[str, LLM], sequences: list[list[int]], name: str, min_agreement: float, rows: int | None
 ) -> None:
-    a = agreement(versions, name, sequences, NUM_POSITIONS)  # the predictions of the 64 sampled tokens
+    a = agreement(versions, name, sequences, NUM_POSITIONS, rows)  # the predictions of the 64 sampled tokens
     assert a.num_positions == NUM_PROMPTS * NUM_POSITIONS
     assert a.argmax_agreement >= min_agreement, a
 
