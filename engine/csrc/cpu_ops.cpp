@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -307,21 +308,35 @@ inline __m512 sum_lanes16(const __m512* a) {
 template <int64_t HD>
 void span_scores_bf16(const at::BFloat16* q, int64_t qs_head, int64_t nh, int64_t g, const at::BFloat16* kp,
                       const int64_t* table, int64_t lo, int64_t n, int64_t bs, int64_t kb, int64_t kt, int64_t kh,
-                      float scale, float* sc) {
+                      float scale, float* sc, const at::BFloat16* vp, int64_t vb, int64_t vt) {
   constexpr int64_t W = HD / 32;  // 32 bf16 per register
   const int64_t kvh = nh / g;
   const __m512 vscale = _mm512_set1_ps(scale);
+  // The next block's K rows (into L1) and V rows (into L2, for pass 2) are asked for a share at a time
+  // between the heads' products: one burst of a whole block's lines stalls on L1's fill buffers (perf
+  // put 38% of this pass on the prefetch loop), spread out they overlap the products.
+  const int64_t klines = bs * kt * static_cast<int64_t>(sizeof(at::BFloat16)) / 64;
+  const int64_t vlines = bs * vt * static_cast<int64_t>(sizeof(at::BFloat16)) / 64;
+  const int64_t heads = kvh * g;
   int64_t p = 0;
   for (int64_t blk = lo / bs, off = lo % bs; p < n; ++blk, off = 0) {
     const int64_t cnt = std::min(bs - off, n - p);
     const at::BFloat16* kbase = kp + table[blk] * kb + off * kt;
-    if (p + cnt < n) prefetch_block(kp + table[blk + 1] * kb, bs * kt);
+    const bool ahead = p + cnt < n;
+    const char* next_k = ahead ? reinterpret_cast<const char*>(kp + table[blk + 1] * kb) : nullptr;
+    const char* next_v = ahead ? reinterpret_cast<const char*>(vp + table[blk + 1] * vb) : nullptr;
+    int64_t asked = 0;
     for (int64_t t0 = 0; t0 < cnt; t0 += 16) {
       const int64_t m = std::min<int64_t>(16, cnt - t0);
       const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
       for (int64_t x = 0; x < kvh; ++x) {
         for (int64_t j = 0; j < g; ++j) {
           const int64_t hd = x * g + j;
+          if (ahead && t0 == 0)
+            for (const int64_t until = (hd + 1) * (klines + vlines) / heads; asked < until; ++asked) {
+              if (asked < klines) _mm_prefetch(next_k + asked * 64, _MM_HINT_T0);
+              else _mm_prefetch(next_v + (asked - klines) * 64, _MM_HINT_T1);
+            }
           __m512bh qv[W];
           for (int64_t c = 0; c < W; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + hd * qs_head + c * 32);
           __m512 acc[16];
@@ -424,7 +439,7 @@ void attend_span_avx512(const T* q, int64_t qs_head, int64_t nh, int64_t g, cons
   int64_t p = 0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16> && HD % 32 == 0) {
-    span_scores_bf16<HD>(q, qs_head, nh, g, kp, table, lo, n, bs, kb, kt, kh, scale, sc);
+    span_scores_bf16<HD>(q, qs_head, nh, g, kp, table, lo, n, bs, kb, kt, kh, scale, sc, vp, vb, vt);
     p = n;  // the loop below has nothing left to do
   }
 #endif
@@ -742,6 +757,9 @@ void int8_rows_scalar(const float* xf, int64_t m_rows, int64_t k, const int8_t* 
 }
 
 constexpr int64_t kInt8MaxRows = 16;
+// Rows up to which the one-call decode stack multiplies packed int8 weights with int8_linear rather than
+// dequantizing them for at::linear (int8_set_kernel_max_rows; engine/linear.py probes it per machine).
+std::atomic<int64_t> g_int8_kernel_max_rows{kInt8MaxRows};
 constexpr int64_t kI8Lanes = 16;  // output channels per packed block (int32 lanes of a zmm register)
 
 // The packed form, for bf16 rows on a CPU with AVX512-VNNI (and BF16): the weights packed once like
@@ -872,6 +890,11 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
 }
 #endif
 
+int64_t int8_set_kernel_max_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "int8_set_kernel_max_rows: rows must be >= 1");
+  return g_int8_kernel_max_rows.exchange(rows);
+}
+
 bool int8_packed_available() {
 #if defined(BATON_I8_PACKED)
   return true;
@@ -911,7 +934,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const int64_t n = scales.size(0);
     TORCH_CHECK((x.size(1) + 1) / 2 == q.size(1) && n > (q.size(0) - 1) * kI8Lanes && n <= q.size(0) * kI8Lanes,
                 "int8_linear: shapes do not match");
-    TORCH_CHECK(x.size(0) <= kInt8MaxRows, "int8_linear: at most ", kInt8MaxRows, " rows, got ", x.size(0));
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
                 "int8_linear: packed weights take bf16 rows and contiguous bf16 scales");
 #if defined(BATON_I8_PACKED)
@@ -974,7 +996,7 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const
   if (kind == 1) return packed_linear(x, w, b);
   if (kind == 3) return baton::bf16_linear(x, w, w.size(0) * 16, present(b) ? std::optional<at::Tensor>(b) : std::nullopt, false);
   if (kind == 2) {  // int8 weight-only: as engine/linear.py Int8Linear
-    if (x.size(0) <= kInt8MaxRows) {
+    if (x.size(0) <= (w.dim() == 4 ? g_int8_kernel_max_rows.load(std::memory_order_relaxed) : kInt8MaxRows)) {
       at::Tensor out = int8_linear(x, w, s);
       return present(b) ? out + b : out;
     }
@@ -1021,6 +1043,20 @@ at::Tensor decode_layers(const at::Tensor& x0, at::TensorList weights, int64_t k
     x = project(act, kind, w[11], w[12], w[13]);
   }
   return (residual + x.to(at::kFloat)).to(x0.scalar_type());
+}
+
+// A decode step's projections alone, as decode_layers multiplies them (the same `project` calls, no
+// norms, RoPE or attention between them): the floor that benchmarks/step_floor.py holds the step against.
+// xs: one input per projection kind, [T, K] for qkv, o, gate_up and down in that order; returns the last
+// down projection's output.
+at::Tensor project_layers(at::TensorList xs, at::TensorList weights, int64_t kind) {
+  TORCH_CHECK(xs.size() == 4 && weights.size() % 14 == 0, "project_layers: 4 inputs and 14 weights per layer");
+  at::Tensor out;
+  for (size_t l = 0; l < weights.size() / 14; ++l) {
+    const at::Tensor* w = weights.data() + 14 * l;
+    for (int64_t i = 0; i < 4; ++i) out = project(xs[i], kind, w[2 + 3 * i], w[3 + 3 * i], w[4 + 3 * i]);
+  }
+  return out;
 }
 
 // Structured outputs: sets to -inf every logit of the rows `rows` whose bit in `bitmask` is 0 (a grammar
@@ -1075,6 +1111,8 @@ TORCH_LIBRARY(baton, m) {
   m.def("int8_pack(Tensor q) -> Tensor");
   m.def("int8_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("int8_packed_available() -> bool", &int8_packed_available);
+  m.def("int8_set_kernel_max_rows(int rows) -> int", &int8_set_kernel_max_rows);
+  m.def("project_layers(Tensor[] xs, Tensor[] weights, int kind) -> Tensor", &project_layers);
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("decode_layers(Tensor x, Tensor[] weights, int kind, Tensor positions, Tensor slot_blocks, "
         "Tensor slot_offsets, Tensor block_tables, Tensor ctx_lens, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,7 +160,8 @@ def test_int8_pack_round_trips_and_pads_with_zeros(n: int, k: int) -> None:
 
 # The packed form (AVX512-VNNI): rows quantized to int16 per row, int32 sums flushed every 512 pairs of K
 # (2100 crosses two flushes), N and K not multiples of the block (37, 41: padded channels and a lone column).
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
+# Past 16 rows (a prefill's, where the probe hands it them) the rows go in tiles of 16 and a remainder.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16, 17, 40, 67])
 @pytest.mark.parametrize(("n", "k"), [(37, 41), (130, 576), (48, 2100)])
 def test_packed_int8_linear_matches_its_dequantized_weights(rows: int, n: int, k: int) -> None:
     from engine.linear import quantize_int8
@@ -218,10 +220,10 @@ def test_packed_int8_linear_refuses_what_it_cannot_multiply() -> None:
         with pytest.raises(RuntimeError, match="no packed int8 form"):
             torch.ops.baton.int8_linear(x, packed, s)
         return
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        torch.ops.baton.int8_linear(torch.zeros(17, 64).bfloat16(), packed, s)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         torch.ops.baton.int8_linear(torch.zeros(2, 66).bfloat16(), packed, s)
+    with pytest.raises(RuntimeError, match="rows must be >= 1"):
+        torch.ops.baton.int8_set_kernel_max_rows(0)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         torch.ops.baton.int8_linear(x, packed, torch.ones(50).bfloat16())
     with pytest.raises(RuntimeError, match="bf16 rows"):
@@ -230,19 +232,38 @@ def test_packed_int8_linear_refuses_what_it_cannot_multiply() -> None:
         torch.ops.baton.int8_linear(x, packed.float(), s)
 
 
-def test_an_int8_model_packs_its_weights_where_the_cpu_has_vnni() -> None:
+@pytest.mark.parametrize("prefill_rows_to", ["kernel", "bf16"])
+def test_an_int8_model_packs_its_weights_where_the_cpu_has_vnni(
+    prefill_rows_to: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import linear
     from engine.linear import Int8Linear
 
+    # Both choices of the load-time probe: a prefill's rows through the kernel, or dequantized for bf16.
+    monkeypatch.setattr(
+        linear, "int8_kernel_max_rows", lambda: 1 << 30 if prefill_rows_to == "kernel" else 16
+    )
     w = torch.randn(96, 64)
     layer = Int8Linear(w, None, torch.bfloat16)
     assert layer.packed == PACKED_INT8
     assert layer.qweight.numel() == w.numel()  # the same bytes, in another order
     assert not Int8Linear(w, None, torch.float32).packed  # fp32 rows take the row-major form
     x = torch.randn(3, 64).bfloat16()
-    many = torch.randn(40, 64).bfloat16()  # a prefill: dequantized and multiplied as bf16
+    many = torch.randn(40, 64).bfloat16()  # a prefill
     ref = layer.dequantized()
     torch.testing.assert_close(layer(x).float(), x.float() @ ref.T, atol=0.05, rtol=2e-2)
     torch.testing.assert_close(layer(many).float(), many.float() @ ref.T, atol=0.05, rtol=2e-2)
+
+
+def test_the_int8_probe_hands_the_kernel_every_row_count_or_a_decode_steps_only() -> None:
+    """The probe's answer is one of its two, and the decode stack was told the same (its setter returns
+    the value it replaces)."""
+    from engine.linear import int8_kernel_max_rows
+
+    rows = int8_kernel_max_rows()
+    assert rows in (16, 1 << 30)
+    if PACKED_INT8:
+        assert torch.ops.baton.int8_set_kernel_max_rows(rows) == rows
 
 
 @pytest.fixture(params=["dot", "amx"])
@@ -381,6 +402,35 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
         model._plan = None  # the Python layers from here on
         slow = model(ids, meta, runner.kv_layers)
     close(fast, slow, getattr(torch, dtype))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8")]
+)
+def test_the_floor_multiplies_what_the_decode_stack_multiplies(
+    dtype: str, quantization: str, tiny_llama: Path
+) -> None:
+    """`baton::project_layers` (the step-floor benchmark's products in one call) runs the decode stack's
+    projections: its result is the last layer's down projection of the input given for it."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama), dtype=dtype, quantization=quantization, kv_cache_memory=8 << 20)
+    )
+    model = engine.runner.model
+    plan = model._decode_plan()
+    assert plan is not None
+    layer = list(model.decoder_layers())[-1]
+    mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(5, m.in_features, generator=g).to(getattr(torch, dtype)) for m in mods]
+    with torch.inference_mode():
+        got = torch.ops.baton.project_layers(xs, plan[1], plan[0])
+        want = mods[3](xs[3])
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="4 inputs"):
+        torch.ops.baton.project_layers(xs[:3], plan[1], plan[0])
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_mistral"])

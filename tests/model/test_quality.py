@@ -99,7 +99,7 @@ def test_int8_matmul_matches_its_dequantized_weights() -> None:
     layer = Int8Linear(w, None, torch.bfloat16)
     wmax = float(w.abs().max())  # within half a quantization step, plus the bf16 rounding of the scales
     assert (layer.dequantized() - w).abs().max() <= wmax / 254 * 1.01 + wmax * 2**-8
-    for rows in (1, 3, 8, 9, 16, 17, 33):  # Baton's kernel up to 16 rows, dequantize-and-multiply above
+    for rows in (1, 3, 8, 9, 16, 17, 33):  # Baton's kernel up to 16 rows; above, the kernel or bf16 (probed)
         x = torch.randn(rows, 64, generator=g).bfloat16()
         want = torch.nn.functional.linear(x.float(), layer.dequantized().float())
         torch.testing.assert_close(layer(x).float(), want, atol=3e-2, rtol=2e-2)
