@@ -218,7 +218,8 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
     r = FloorResult(precision)
     # No cap on prompt tokens beside decodes: the timed steps are decode steps of every request together,
     # and the cap would hold the 2k prompt back while the short ones decode (and finish).
-    llm = LLM(
+    make_llm = functools.partial(
+        LLM,
         model=None,
         dtype=dtype_name,
         quantization=quantization,
@@ -227,6 +228,7 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
         num_threads=num_threads,
         mixed_prefill_tokens=0,
     )
+    llm = make_llm()
     engine, model = llm.engine, llm.engine.runner.model
     kv_mib = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() / 2**20
     rss = _rss_mib()
@@ -237,7 +239,7 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
     rounds = max(4, num_steps // per_round)
     for b in BATCHES:
         batch = _Batch(engine, [PROMPT_LEN] * b, rounds * per_round + per_round, seed=b)
-        blocks = {"step": functools.partial(batch.step_round, per_round)}
+        blocks: dict[str, Callable[[], float]] = {"step": functools.partial(batch.step_round, per_round)}
         blocks.update(gemm_rounds(model, engine.runner.dtype, b, quantization == "int8", per_round))
         best = _alternate(blocks, rounds)
         batch.close()
@@ -247,15 +249,7 @@ def run_precision(precision: str, num_threads: int, num_steps: int = 24) -> Floo
         r.floor_ms[str(b)] = min(best["own"], best.get("plain", best["own"]))
     # The 2k row: a second engine of the same configuration holds the batch with the long request, so the
     # two batches decode in turn (the long prompt is prefilled once).
-    other = LLM(
-        model=None,
-        dtype=dtype_name,
-        quantization=quantization,
-        kv_cache_memory=512 << 20,
-        max_num_seqs=64,
-        num_threads=num_threads,
-        mixed_prefill_tokens=0,
-    ).engine
+    other = make_llm().engine
     short = _Batch(engine, [PROMPT_LEN] * 15, rounds * per_round + per_round, seed=100)
     with_long = _Batch(other, [PROMPT_LEN] * 15 + [LONG_CONTEXT], rounds * per_round + per_round, seed=100)
     best = _alternate(
