@@ -88,9 +88,8 @@ def gemm_rounds(
         return one_round
 
     plan = model._decode_plan()
-    if (
-        plan is not None
-    ):  # the decoder layers' products in one C++ call, as the one-call decode stack makes them
+    # The decoder layers' products in one C++ call, as the one-call decode stack makes them.
+    if plan is not None:
         layer = next(iter(model.decoder_layers()))
         ins = [
             m.in_features

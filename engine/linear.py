@@ -11,8 +11,8 @@ After loading, `prepare_linears` replaces each `nn.Linear` of the decoder layers
   and widened in registers; with bf16 rows on AVX512-VNNI the weights are packed at load and the rows
   quantized per row to int16 for ``vpdpwssd`` products, 2.6-3.4x faster); without the C++ kernels, up to 8 rows take ``aten._weight_int8pack_mm``
   (with bf16 activations: fp32 ones run it 20-40x slower). More rows (a prefill) are dequantized and
-  multiplied as bf16 — unless the packed kernel measures faster at a prefill's rows on this machine
-  (`int8_kernel_max_rows`: a probe at load), then it takes them all. The logits head stays bf16.
+  multiplied as bf16 where the CPU has AMX; without AMX the packed kernel takes them all
+  (`int8_kernel_max_rows`: 1.3-4.6x faster at 16-512 rows on a Xeon without AMX). The logits head stays bf16.
 - **bf16 on a CPU with AVX512-BF16** → `Bf16DotLinear` instead: the weight packed for ``vdpbf16ps``
   (``baton::bf16_linear``, engine/csrc/bf16_dot.cpp), 1.4-2x faster than oneDNN at a decode step's
   1-8 rows and as fast from 16 up (Zen 4). On a CPU with AMX the same packed weights go through AMX
@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +49,6 @@ _INT8PACK_MAX_ROWS = 8
 # (dequantize + multiply), 16 rows 30.3 vs 33.0; above 16 a prefill's rows are compute-bound and the
 # bf16 GEMM wins.
 _KERNEL_MAX_ROWS = 16
-# Rows the packed int8 kernel (AVX512-VNNI) is probed at against dequantize-then-multiply, for a prefill:
-# where it wins there it takes every row count (measured on a Xeon without AMX, 3072x576, 2 threads:
-# 1.3-4.6x faster at 16-512 rows; a 64-token int8 prefill 197 -> ~80 ms); where bf16 GEMMs are faster
-# (AMX tiles) a prefill keeps them.
-_PROBE_ROWS = 256
 
 
 def _packing_available() -> bool:
@@ -165,36 +159,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def int8_kernel_max_rows() -> int:
-    """Rows up to which packed int8 weights go through Baton's kernel, on this machine: 16 (a decode
-    step's) unless the kernel beats dequantize + bf16 GEMM at a prefill's `_PROBE_ROWS` rows, then all.
-    Also set for the one-call decode stack (``baton::int8_set_kernel_max_rows``)."""
+    """Rows up to which packed int8 weights go through Baton's kernel, on this machine: every row count
+    where the CPU has no AMX (the kernel beat dequantize + bf16 GEMM at 16-512 rows there), a decode
+    step's 16 where it has (its bf16 tiles keep a prefill). Decided by the CPU's features, not timed: every
+    process on a machine must choose alike (a timed choice flipped on a busy machine). Also set for the
+    one-call decode stack (``baton::int8_set_kernel_max_rows``)."""
     if not (cpu_ops.kernels_enabled() and torch.ops.baton.int8_packed_available()):
         return _KERNEL_MAX_ROWS
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(1536, 576, generator=gen) * 0.02
-    q, scale = quantize_int8(w)
-    packed, scales = torch.ops.baton.int8_pack(q), scale.bfloat16()
-    x = torch.randn(_PROBE_ROWS, 576, generator=gen).bfloat16()
-
-    def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    kernel = best(lambda: torch.ops.baton.int8_linear(x, packed, scales))
-    dense = best(lambda: F.linear(x, q.to(x.dtype)) * scales)
-    rows = 1 << 30 if kernel < dense else _KERNEL_MAX_ROWS
-    log.info(
-        "int8 kernel at %d rows: %.2f ms vs dequantize + bf16 %.2f ms: it takes up to %s rows",
-        _PROBE_ROWS,
-        kernel * 1e3,
-        dense * 1e3,
-        "all" if rows > _KERNEL_MAX_ROWS else rows,
-    )
+    rows = _KERNEL_MAX_ROWS if torch.ops.baton.bf16_amx_available() else 1 << 30
     torch.ops.baton.int8_set_kernel_max_rows(rows)
     return rows
 
@@ -277,7 +249,7 @@ def prepare_linears(model: nn.Module, quantization: str, dtype: torch.dtype, dev
         if quantization == "int8" and name != "lm_head":
             new: nn.Module = Int8Linear(child.weight, child.bias, dtype)
             if new.packed:
-                int8_kernel_max_rows()  # probed once, before the first step (the decode stack reads it too)
+                int8_kernel_max_rows()  # set once, before the first step (the decode stack reads it too)
         elif not pack:
             continue
         elif name == "lm_head" and child.bias is None and Bf16DotLinear.available(child.weight[:16]):

@@ -160,7 +160,7 @@ def test_int8_pack_round_trips_and_pads_with_zeros(n: int, k: int) -> None:
 
 # The packed form (AVX512-VNNI): rows quantized to int16 per row, int32 sums flushed every 512 pairs of K
 # (2100 crosses two flushes), N and K not multiples of the block (37, 41: padded channels and a lone column).
-# Past 16 rows (a prefill's, where the probe hands it them) the rows go in tiles of 16 and a remainder.
+# Past 16 rows (a prefill's, on a CPU without AMX) the rows go in tiles of 16 and a remainder.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16, 17, 40, 67])
 @pytest.mark.parametrize(("n", "k"), [(37, 41), (130, 576), (48, 2100)])
 def test_packed_int8_linear_matches_its_dequantized_weights(rows: int, n: int, k: int) -> None:
@@ -239,7 +239,7 @@ def test_an_int8_model_packs_its_weights_where_the_cpu_has_vnni(
     from engine import linear
     from engine.linear import Int8Linear
 
-    # Both choices of the load-time probe: a prefill's rows through the kernel, or dequantized for bf16.
+    # Both choices int8_kernel_max_rows makes: a prefill's rows through the kernel, or dequantized for bf16.
     monkeypatch.setattr(
         linear, "int8_kernel_max_rows", lambda: 1 << 30 if prefill_rows_to == "kernel" else 16
     )
@@ -256,8 +256,8 @@ def test_an_int8_model_packs_its_weights_where_the_cpu_has_vnni(
 
 
 def test_the_int8_probe_hands_the_kernel_every_row_count_or_a_decode_steps_only() -> None:
-    """The probe's answer is one of its two, and the decode stack was told the same (its setter returns
-    the value it replaces)."""
+    """The choice is one of its two (all rows without AMX), and the decode stack was told the same (its
+    setter returns the value it replaces)."""
     from engine.linear import int8_kernel_max_rows
 
     rows = int8_kernel_max_rows()
