@@ -30,6 +30,7 @@ _SOURCES = (
     Path(__file__).with_name("csrc") / "cpu_ops.cpp",
     Path(__file__).with_name("csrc") / "bf16_dot.cpp",
 )
+_HEADERS = (Path(__file__).with_name("csrc") / "side_prefetch.h",)  # in the build's key, not compiled alone
 # -fopenmp makes ATen's header-inlined parallel_for parallel; its GOMP symbols resolve to the OpenMP
 # runtime torch already loaded (no second runtime is linked), so torch.set_num_threads governs it too.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -62,7 +63,7 @@ def _build_dir() -> Path:
             (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
         )
     stamp = (
-        b"".join(src.read_bytes() for src in _SOURCES)
+        b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
         + " ".join([torch.__version__, *_CFLAGS, flags]).encode()
     )
     key = hashlib.sha256(stamp).hexdigest()[:12]
@@ -168,7 +169,20 @@ def paged_decode_attention(
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, ctx_lens, scale, sliding_window)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [B, V] fp32 → [B] int64
+    """Each row's first maximal index (a NaN counts as the maximum), as ``x.max(dim=-1).indices``."""
+    if x.dim() == 2 and x.shape[1] > 0 and x.stride(-1) == 1 and x.dtype == torch.float32 and use_kernels(x):
+        out: torch.Tensor = torch.ops.baton.argmax_rows(x)
+        return out
+    return argmax_rows_ref(x)
+
+
 # ------------------------------------------------------------------ torch references
+def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    # max().indices, not argmax(): the same first maximal index, ~3x faster on CPU over 49k columns.
+    return x.max(dim=-1).indices
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Sets to -inf, in place, the logits of ``rows`` whose bit is 0 in ``bitmask`` ``[B, ceil(V/32)]``
     int32 (bit i of word w: token 32·w + i)."""

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from core.outputs import TokenLogprobs
 from core.sampling_params import SamplingParams
+from engine.cpu_ops import argmax_rows
 
 _MASK64 = (1 << 64) - 1
 # top-p looks for the nucleus among this many most likely tokens before sorting the whole vocabulary.
@@ -90,8 +91,7 @@ class Sampler:
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
-            # max().indices, not argmax(): the same first maximal index, ~3x faster on CPU over 49k columns.
-            token_ids[_long(greedy, logits.device)] = _select(processed, greedy).max(dim=-1).indices
+            token_ids[_long(greedy, logits.device)] = argmax_rows(_select(processed, greedy))
         if random:
             sampled = self._sample(_select(processed, random), [rows[i] for i in random])
             token_ids[_long(random, logits.device)] = sampled

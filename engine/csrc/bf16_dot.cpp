@@ -30,6 +30,8 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+
+#include "side_prefetch.h"
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define BATON_AMX 1
 #include <cpuid.h>
@@ -87,7 +89,8 @@ struct Store {
 };
 
 template <int MT, int NB>
-void dot_tile(const uint32_t* xt, int64_t kp, int64_t m0, const uint16_t* wp, int64_t b0, int64_t b1, const Store& out) {
+void dot_tile(const uint32_t* xt, int64_t kp, int64_t m0, const uint16_t* wp, int64_t b0, int64_t b1, const Store& out,
+              baton::SideCursor& side) {
   for (int64_t b = b0; b < b1; b += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, b1 - b));
     __m512 acc[MT][NB];
@@ -96,6 +99,7 @@ void dot_tile(const uint32_t* xt, int64_t kp, int64_t m0, const uint16_t* wp, in
     const uint16_t* wb[NB];
     for (int j = 0; j < NB; ++j) wb[j] = wp + (b + std::min(j, nb - 1)) * kp * 2 * kLanes;
     for (int64_t p = 0; p < kp; ++p) {
+      if ((p & 3) == 0) side.next();
       __m512bh w[NB];
       for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + p * 2 * kLanes);
       const uint32_t* xp = xt + p * MT;
@@ -110,17 +114,16 @@ void dot_tile(const uint32_t* xt, int64_t kp, int64_t m0, const uint16_t* wp, in
 }
 
 // About 24 accumulators whatever the rows: NB = 4 blocks up to 6 rows, 3 up to 8, 2 up to 12, else 1.
-template <int MT>
-constexpr int blocks_for() {
-  return MT <= 6 ? 4 : MT <= 8 ? 3 : MT <= 12 ? 2 : 1;
-}
+constexpr int64_t blocks_for(int64_t rows) { return rows <= 6 ? 4 : rows <= 8 ? 3 : rows <= 12 ? 2 : 1; }
 
 template <int MT>
-void run_tile(const uint32_t* xt, int64_t kp, int64_t m0, const uint16_t* wp, int64_t b0, int64_t b1, const Store& out) {
-  dot_tile<MT, blocks_for<MT>()>(xt, kp, m0, wp, b0, b1, out);
+void run_tile(const uint32_t* xt, int64_t kp, int64_t m0, const uint16_t* wp, int64_t b0, int64_t b1, const Store& out,
+              baton::SideCursor& side) {
+  dot_tile<MT, static_cast<int>(blocks_for(MT))>(xt, kp, m0, wp, b0, b1, out, side);
 }
 
-using TileFn = void (*)(const uint32_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const Store&);
+using TileFn = void (*)(const uint32_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const Store&,
+                        baton::SideCursor&);
 constexpr TileFn kTiles[16] = {run_tile<1>,  run_tile<2>,  run_tile<3>,  run_tile<4>, run_tile<5>,  run_tile<6>,
                                run_tile<7>,  run_tile<8>,  run_tile<9>,  run_tile<10>, run_tile<11>, run_tile<12>,
                                run_tile<13>, run_tile<14>, run_tile<15>, run_tile<16>};
@@ -247,13 +250,20 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     return out;
   }
 #endif
+  const baton::SideRegions* side = baton::g_side;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    int64_t calls = 0;  // the tiles' next() calls: one every fourth K pair of every NB blocks
+    for (int64_t m0 = 0; m0 < m; m0 += 16) {
+      const int64_t nb = blocks_for(std::min<int64_t>(16, m - m0));
+      calls += (b1 - b0 + nb - 1) / nb * ((kp + 3) / 4);
+    }
+    baton::SideCursor cur(side, b0, b1, blocks, calls);
     std::vector<uint32_t> xt(static_cast<size_t>(16 * kp));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
       const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));
       for (int64_t p = 0; p < kp; ++p)  // the tile's rows transposed: each pair's rows side by side
         for (int r = 0; r < mt; ++r) xt[p * mt + r] = xp[(m0 + r) * kp + p];
-      kTiles[mt - 1](xt.data(), kp, m0, wp, b0, b1, store);
+      kTiles[mt - 1](xt.data(), kp, m0, wp, b0, b1, store, cur);
     }
   });
 #endif

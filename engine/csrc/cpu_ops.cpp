@@ -25,7 +25,10 @@
 #include <immintrin.h>
 #endif
 
+#include "side_prefetch.h"
+
 namespace baton {
+const SideRegions* g_side = nullptr;
 // engine/csrc/bf16_dot.cpp: bf16 rows times weights packed for AVX512-BF16 dot products.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                        bool fp32_out);
@@ -687,46 +690,22 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 // dot products (engine/csrc/bf16_dot.cpp; N a multiple of 16, an fp32 bias).
 namespace {
 
-// KV lines that a decode step's next layer will attend over, asked for (T0: on to L1, whence they fall to
-// L2 and L3) while this layer's MLP products run. At batch sizes past a few rows those products are
-// compute-bound and leave memory bandwidth idle, while attention over a cold cache waits on memory: one
-// layer's K of one block is 6 KB and the same sequence's next block is a whole block (every layer) away,
-// so the hardware prefetchers cannot run ahead. Measured on a Zen 4 EPYC, 2 threads, int8, decode steps
-// timed in turn with and without: batch 16 at ~128-250 tokens 20.3-20.6 -> 19.8-19.9 ms, batch 1
-// 7.0 -> 6.8 ms, 15 short and one 2k request 24.3 -> 23.5 ms. Less than the attention's cold-cache cost
-// (about 2 ms of 3.5 at batch 16): a shared L3 does not keep all of the lines until they are read.
-struct SideRegions {
-  std::vector<std::pair<const char*, int64_t>> regions;  // (first byte, 64-byte lines)
-  std::vector<int64_t> first{0};                          // lines before each region; the last: all of them
-  int64_t total() const { return first.back(); }
-};
-// Set by decode_layers around a layer's MLP products (one caller at a time: the engine's step thread);
-// read by the packed int8 kernel's threads inside their parallel region.
-const SideRegions* g_side = nullptr;
+// The side prefetch of engine/csrc/side_prefetch.h: the next layer's KV lines, asked for while a
+// layer's MLP products run (the packed int8 and bf16 kernels). Measured on a Zen 4 EPYC, 2 threads,
+// decode steps of ~128-170 tokens timed in turn with and without in one process: batch 16 int8
+// 20.6 -> 19.5 ms, bf16 26.6-26.8 -> 25.7-26.1 ms; the 2k row's ratio int8 1.22 -> 1.20, bf16
+// 1.13-1.17 -> 1.12-1.14. A first form, one line every fourth K pair whatever the context, reached
+// about 70% of the lines at batch 16 (40% with a 2k request) and gained half as much there (20.3 -> 19.8
+// ms, int8 only); the cursor now spreads each thread's share over its calls.
+using baton::SideCursor;
+using baton::SideRegions;
+using baton::SideScope;
 
-// Sets g_side for a scope, and clears it however the scope ends (a product that throws included).
-struct SideScope {
-  explicit SideScope(const SideRegions* s) { g_side = s; }
-  ~SideScope() { g_side = nullptr; }
-  SideScope(const SideScope&) = delete;
-  SideScope& operator=(const SideScope&) = delete;
-};
+// Whether decode_layers asks for the next layer's KV (baton::set_side_prefetch; on by default): a switch
+// for benchmarks that time steps with and without it in one process.
+std::atomic<bool> g_side_prefetch{true};
 
-// One thread's share of the side regions' lines [line, end), a line per next() call.
-struct SideCursor {
-  const SideRegions* side = nullptr;
-  int64_t line = 0, end = 0, region = 0;
-  SideCursor(const SideRegions* s, int64_t lo, int64_t hi) : side(s), line(lo), end(hi) {
-    if (s != nullptr && lo < hi)
-      region = std::upper_bound(s->first.begin(), s->first.end(), lo) - s->first.begin() - 1;
-  }
-  inline void next() {
-    if (line >= end) return;
-    while (side->first[region + 1] <= line) ++region;
-    __builtin_prefetch(side->regions[region].first + (line - side->first[region]) * 64, 0, 3);
-    ++line;
-  }
-};
+int64_t set_side_prefetch(int64_t on) { return g_side_prefetch.exchange(on != 0) ? 1 : 0; }
 
 // The K and V lines of the blocks that `tables` and `lens` give each sequence (the last `window`
 // positions' blocks when window > 0), in one layer's caches.
@@ -912,10 +891,12 @@ void i8_tile(const uint32_t* xt, const float* xs, int64_t kp, int64_t m0, const 
 
 // Channel blocks per tile: 4 for 1-2 rows, 2 for 3-4, one from 5 up (measured: more blocks per tile made
 // 6-12 rows up to 1.8x slower, where 16 rows of one block keep vpdpwssd busy).
+constexpr int64_t i8_blocks_for(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
 template <int MT>
 void i8_run_tile(const uint32_t* xt, const float* xs, int64_t kp, int64_t m0, const int8_t* wp, int64_t b0,
                  int64_t b1, const at::BFloat16* scales, at::BFloat16* out, int64_t n, SideCursor& side) {
-  constexpr int kNb = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  constexpr int kNb = static_cast<int>(i8_blocks_for(MT));
   i8_tile<MT, kNb>(xt, xs, kp, m0, wp, b0, b1, scales, out, n, side);
 }
 
@@ -943,10 +924,14 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   const int64_t blocks = packed.size(0);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
-  const SideRegions* side = g_side;
-  const int64_t side_lines = side != nullptr ? side->total() : 0;
+  const SideRegions* side = baton::g_side;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    SideCursor cur(side, side_lines * b0 / blocks, side_lines * b1 / blocks);
+    int64_t calls = 0;  // the tiles' next() calls: one every fourth K pair of every NB blocks
+    for (int64_t m0 = 0; m0 < m; m0 += 16) {
+      const int64_t nb = i8_blocks_for(std::min<int64_t>(16, m - m0));
+      calls += (b1 - b0 + nb - 1) / nb * ((kp + 3) / 4);
+    }
+    SideCursor cur(side, b0, b1, blocks, calls);
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
       const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));
       kI8Tiles[mt - 1](xt.data() + m0 * kp, xs.data() + m0, kp, m0, wp, b0, b1, sp, op, n, cur);
@@ -1073,7 +1058,6 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, const
   return present(b) ? at::linear(x, w, b) : at::linear(x, w);
 }
 
-
 }  // namespace
 
 at::Tensor decode_layers(const at::Tensor& x0, at::TensorList weights, int64_t kind, const at::Tensor& positions,
@@ -1104,8 +1088,8 @@ at::Tensor decode_layers(const at::Tensor& x0, at::TensorList weights, int64_t k
     paged_decode_attention(attn, q, kc, vc, block_tables, ctx_lens, scale, window);
     at::Tensor o = project(attn.view({t, q_size}), kind, w[5], w[6], w[7]);
     add_rms_norm(o, residual, w[1], eps);
-    SideRegions next_kv;  // the next layer's KV, asked for while the MLP's products run (int8 kernel)
-    if (kind == 2 && l + 1 < num_layers)
+    SideRegions next_kv;  // the next layer's KV, asked for while the MLP's products run (packed kernels)
+    if ((kind == 2 || kind == 3) && l + 1 < num_layers && g_side_prefetch.load(std::memory_order_relaxed))
       side_kv_regions(next_kv, k_caches[l + 1], v_caches[l + 1], block_tables, ctx_lens, window);
     const SideScope scope(&next_kv);
     at::Tensor gu = project(o, kind, w[8], w[9], w[10]);
@@ -1170,6 +1154,71 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
   }
 }
 
+// Greedy sampling: each row's first maximal index, as torch.max(dim=-1).indices gives it (a NaN counts as
+// the maximum, the first NaN then). One pass per row, 16 lanes each keeping its best value and index;
+// torch's reduction over a [16, 49k] fp32 batch took ~0.37 ms of a ~20 ms decode step here.
+int64_t argmax_row(const float* p, int64_t v) {
+  int64_t i = 0;
+  bool nan = false;
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_idx = _mm512_setzero_si512();
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 unordered = 0;
+  if (v < (int64_t{1} << 31) - 16) {
+    for (; i + 16 <= v; i += 16) {
+      const __m512 x = _mm512_loadu_ps(p + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
+      unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      best = _mm512_mask_mov_ps(best, gt, x);
+      best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    nan = unordered != 0;
+    if (!nan) {
+      alignas(64) float bv[16];
+      alignas(64) int32_t bi[16];
+      _mm512_store_ps(bv, best);
+      _mm512_store_si512(bi, best_idx);
+      float m = bv[0];
+      int64_t at = i > 0 ? bi[0] : -1;
+      for (int j = 1; j < 16 && i > 0; ++j)
+        if (bv[j] > m || (bv[j] == m && bi[j] < at)) m = bv[j], at = bi[j];
+      for (int64_t t = i; t < v; ++t) {  // the tail, after every full lane group (larger indices)
+        if (p[t] != p[t]) return t;
+        if (at < 0 || p[t] > m) m = p[t], at = t;
+      }
+      return at;
+    }
+    i = 0;
+  }
+#endif
+  (void)nan;
+  int64_t at = 0;
+  float m = p[0];
+  if (m != m) return 0;
+  for (i = 1; i < v; ++i) {
+    if (p[i] != p[i]) return i;
+    if (p[i] > m) m = p[i], at = i;
+  }
+  return at;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "argmax_rows: x must be a [B, V] fp32 tensor with contiguous rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
+  const int64_t n = x.size(0), v = x.size(1), rs = x.stride(0);
+  at::Tensor out = at::empty({n}, x.options().dtype(at::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = argmax_row(p + r * rs, v);
+  });
+  return out;
+}
+
 TORCH_LIBRARY(baton, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
@@ -1183,7 +1232,9 @@ TORCH_LIBRARY(baton, m) {
   m.def("int8_unpack(Tensor packed, int n, int k) -> Tensor");
   m.def("int8_packed_available() -> bool", &int8_packed_available);
   m.def("int8_set_kernel_max_rows(int rows) -> int", &int8_set_kernel_max_rows);
+  m.def("set_side_prefetch(int on) -> int", &set_side_prefetch);
   m.def("project_layers(Tensor[] xs, Tensor[] weights, int kind) -> Tensor", &project_layers);
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("decode_layers(Tensor x, Tensor[] weights, int kind, Tensor positions, Tensor slot_blocks, "
         "Tensor slot_offsets, Tensor block_tables, Tensor ctx_lens, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
@@ -1201,6 +1252,7 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("int8_pack", &int8_pack);
   m.impl("int8_unpack", &int8_unpack);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("decode_layers", &decode_layers);
 }
 

@@ -399,9 +399,15 @@ def test_the_one_call_decode_stack_matches_the_python_layers(
     ids = torch.randint(3, model.config.vocab_size, (len(lens),), generator=g)
     with torch.inference_mode():
         fast = model(ids, meta, runner.kv_layers)
+        was = torch.ops.baton.set_side_prefetch(0)  # the next layer's KV not asked for ahead
+        try:
+            unhinted = model(ids, meta, runner.kv_layers)
+        finally:
+            torch.ops.baton.set_side_prefetch(was)
         model._plan = None  # the Python layers from here on
         slow = model(ids, meta, runner.kv_layers)
     close(fast, slow, getattr(torch, dtype))
+    assert torch.equal(fast, unhinted)  # prefetches never touch values
 
 
 @pytest.mark.parametrize(
@@ -520,3 +526,29 @@ def test_token_bitmask_kernel_matches_its_reference(dtype: torch.dtype) -> None:
     assert torch.equal(got[[2, 3, 5]], logits[[2, 3, 5]]) and torch.equal(got[1], logits[1])
     token = 37  # word 1, bit 5
     assert (got[0, token] == float("-inf")) == (not (int(bitmask[0, 1]) >> 5) & 1)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 49155])
+def test_greedy_argmax_kernel_matches_torch_max(vocab: int) -> None:
+    """`baton::argmax_rows` (the greedy sampler's pick) gives `max(dim=-1).indices` exactly: the first of
+    tied maxima within a lane and across lanes, the tail past the last 16 columns, a row of -inf, a NaN
+    (torch takes it as the maximum) in the vectorised part or in the tail, and rows of a wider tensor."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 5, generator=g)[:, 2 : 2 + vocab]  # strided rows
+    assert not x.is_contiguous()
+    if vocab > 40:
+        x[1, 3] = x[1, 35] = 50.0  # tied, the same lane
+        x[2, 20] = x[2, 7] = 50.0  # tied, other lanes: the smaller index wins
+        x[3, 5] = float("nan")
+        x[4, vocab - 1] = float("nan")  # in the tail (or the last full group)
+        x[4, 9] = 60.0
+    x[5] = float("-inf")
+    x[6, vocab - 1] = 99.0  # the maximum in the last column
+    x[7] = 0.0  # all tied: index 0
+    want = cpu_ops.argmax_rows_ref(x)
+    got = cpu_ops.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, want), (got, want)
+    assert torch.equal(torch.ops.baton.argmax_rows(x.contiguous()), want)
+    assert cpu_ops.argmax_rows(x[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.baton.argmax_rows(x.to(torch.bfloat16))
