@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from baton.v1 import scheduler_pb2 as pb
 from rpc.flags import add_flags, config_from_args
-from rpc.liveness import SERVER_OPTIONS
+from rpc.liveness import SERVER_OPTIONS, shutdown_step
 from rpc.metrics import Forward, MetricsEndpoint
 from rpc.redis_url import BadRedisUrl, async_client, parse_redis_url, redact
 from rpc.servicer import add_servicer
@@ -51,9 +51,9 @@ class SchedulerServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         self.reaper.cancel()
         if self.metrics_endpoint is not None:
-            await self.metrics_endpoint.stop()
-        await self.server.stop(grace_s)
-        await self.client.aclose()
+            await shutdown_step("the metrics endpoint", self.metrics_endpoint.stop(), 5.0)
+        await shutdown_step("the gRPC server", self.server.stop(grace_s), grace_s + 5.0)
+        await shutdown_step("the Redis client", self.client.aclose(), 5.0)
         if self.pipe is not None:
             await self.pipe.close()
 

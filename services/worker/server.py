@@ -32,7 +32,7 @@ from kv_transfer.transport import KVTransport, make_transport
 from prefill_worker.handoff import PrefillHandoff, kv_layout
 from prefill_worker.rpc import PrefillRPC
 from rpc.convert import layout_to_pb
-from rpc.liveness import SERVER_OPTIONS
+from rpc.liveness import SERVER_OPTIONS, shutdown_step
 from rpc.metrics import MetricsEndpoint
 from rpc.servicer import add_servicer
 from rpc.signals import stop_requested
@@ -272,14 +272,14 @@ class WorkerServer:
         )
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self.membership is not None:
-            await self.membership.stop()  # placement stops sending work here first
+        if self.membership is not None:  # placement stops sending work here first
+            await shutdown_step("leaving the scheduler", self.membership.stop(), 5.0)
         if self.stop_bus is not None:
-            await self.stop_bus()
+            await shutdown_step("the cancellation bus", self.stop_bus(), 5.0)
         if self.metrics_endpoint is not None:
-            await self.metrics_endpoint.stop()
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+            await shutdown_step("the metrics endpoint", self.metrics_endpoint.stop(), 5.0)
+        await shutdown_step("the health service", self.health.enter_graceful_shutdown(), 5.0)
+        await shutdown_step("the gRPC server", self.server.stop(grace_s), grace_s + 5.0)
         self.aengine.stop()
         self.transport.close()
 
