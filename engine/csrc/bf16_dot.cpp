@@ -252,12 +252,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 #endif
   const baton::SideRegions* side = baton::g_side;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    int64_t calls = 0;  // the tiles' next() calls: one every fourth K pair of every NB blocks
-    for (int64_t m0 = 0; m0 < m; m0 += 16) {
-      const int64_t nb = blocks_for(std::min<int64_t>(16, m - m0));
-      calls += (b1 - b0 + nb - 1) / nb * ((kp + 3) / 4);
-    }
-    baton::SideCursor cur(side, b0, b1, blocks, calls);
+    baton::SideCursor cur(side, b0, b1, blocks, baton::side_calls(m, kp, b0, b1, blocks_for));
     std::vector<uint32_t> xt(static_cast<size_t>(16 * kp));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
       const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));

@@ -926,12 +926,7 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
   const SideRegions* side = baton::g_side;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    int64_t calls = 0;  // the tiles' next() calls: one every fourth K pair of every NB blocks
-    for (int64_t m0 = 0; m0 < m; m0 += 16) {
-      const int64_t nb = i8_blocks_for(std::min<int64_t>(16, m - m0));
-      calls += (b1 - b0 + nb - 1) / nb * ((kp + 3) / 4);
-    }
-    SideCursor cur(side, b0, b1, blocks, calls);
+    SideCursor cur(side, b0, b1, blocks, baton::side_calls(m, kp, b0, b1, i8_blocks_for));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
       const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));
       kI8Tiles[mt - 1](xt.data() + m0 * kp, xs.data() + m0, kp, m0, wp, b0, b1, sp, op, n, cur);
@@ -1158,15 +1153,14 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
 // the maximum, the first NaN then). One pass per row, 16 lanes each keeping its best value and index;
 // torch's reduction over a [16, 49k] fp32 batch took ~0.37 ms of a ~20 ms decode step here.
 int64_t argmax_row(const float* p, int64_t v) {
-  int64_t i = 0;
-  bool nan = false;
 #if defined(__AVX512F__)
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512i best_idx = _mm512_setzero_si512();
   __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 unordered = 0;
-  if (v < (int64_t{1} << 31) - 16) {
+  if (v < (int64_t{1} << 31) - 16) {  // lane indices in int32
+    int64_t i = 0;
     for (; i + 16 <= v; i += 16) {
       const __m512 x = _mm512_loadu_ps(p + i);
       const __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
@@ -1175,8 +1169,7 @@ int64_t argmax_row(const float* p, int64_t v) {
       best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
       idx = _mm512_add_epi32(idx, step);
     }
-    nan = unordered != 0;
-    if (!nan) {
+    if (unordered == 0) {  // else the scalar pass below finds the first NaN
       alignas(64) float bv[16];
       alignas(64) int32_t bi[16];
       _mm512_store_ps(bv, best);
@@ -1191,14 +1184,12 @@ int64_t argmax_row(const float* p, int64_t v) {
       }
       return at;
     }
-    i = 0;
   }
 #endif
-  (void)nan;
   int64_t at = 0;
   float m = p[0];
   if (m != m) return 0;
-  for (i = 1; i < v; ++i) {
+  for (int64_t i = 1; i < v; ++i) {
     if (p[i] != p[i]) return i;
     if (p[i] > m) m = p[i], at = i;
   }

@@ -48,7 +48,8 @@ struct SideCursor {
     end = s->total() * b1 / blocks;
     if (line >= end) return;
     region = std::upper_bound(s->first.begin(), s->first.end(), line) - s->first.begin() - 1;
-    per = std::max<int64_t>(1, (end - line + std::max<int64_t>(1, calls) - 1) / std::max<int64_t>(1, calls));
+    const int64_t c = std::max<int64_t>(1, calls);
+    per = std::max<int64_t>(1, (end - line + c - 1) / c);
   }
   inline void next() {
     for (int64_t i = 0; i < per && line < end; ++i, ++line) {
@@ -57,5 +58,17 @@ struct SideCursor {
     }
   }
 };
+
+// The next() calls a packed kernel's tiles make over channel blocks [b0, b1) of an m-row product with kp
+// K pairs: one every fourth K pair of every nb_for(rows) blocks, for each tile of up to 16 rows.
+template <typename NbFor>
+int64_t side_calls(int64_t m, int64_t kp, int64_t b0, int64_t b1, NbFor nb_for) {
+  int64_t calls = 0;
+  for (int64_t m0 = 0; m0 < m; m0 += 16) {
+    const int64_t nb = nb_for(std::min<int64_t>(16, m - m0));
+    calls += (b1 - b0 + nb - 1) / nb * ((kp + 3) / 4);
+  }
+  return calls;
+}
 
 }  // namespace baton
