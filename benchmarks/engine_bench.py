@@ -443,7 +443,7 @@ def run_section(
         r = results[name]
         status = r.error or (f"{r.output_tok_s(w):.1f} tok/s" if r.wall_s else "done")
         log(f"[engine] {name}: {status} ({time.perf_counter() - t0:.0f} s with load and warm-up)")
-    floor, floor_command = step_floor.run_all(w.num_threads, 8 if quick else 24, timeout_s, log)
+    floor, floor_command = step_floor.run_all(w.num_threads, 8 if quick else 48, timeout_s, log)
     return (
         render_section(w, results, commands, provenance(machine, command), os.getloadavg(), quick)
         + "\n"

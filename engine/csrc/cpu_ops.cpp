@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -912,24 +913,24 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   at::Tensor xc = x.contiguous();
-  std::vector<uint32_t> xt(static_cast<size_t>(m * kp));
-  std::vector<float> xs(static_cast<size_t>(m));
+  const std::unique_ptr<uint32_t[]> xt(new uint32_t[static_cast<size_t>(m * kp)]);  // written whole below
+  const std::unique_ptr<float[]> xs(new float[static_cast<size_t>(m)]);
   for (int64_t m0 = 0; m0 < m; m0 += 16) {
     const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));
-    i8_quantize_tile(xc.data_ptr<at::BFloat16>() + m0 * k, k, kp, mt, xt.data() + m0 * kp, xs.data() + m0);
+    i8_quantize_tile(xc.data_ptr<at::BFloat16>() + m0 * k, k, kp, mt, xt.get() + m0 * kp, xs.get() + m0);
   }
   const int8_t* wp = packed.data_ptr<int8_t>();
   const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t blocks = packed.size(0);
+  const SideRegions* side = baton::g_side;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
-  const SideRegions* side = baton::g_side;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     SideCursor cur(side, b0, b1, blocks, baton::side_calls(m, kp, b0, b1, i8_blocks_for));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
       const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));
-      kI8Tiles[mt - 1](xt.data() + m0 * kp, xs.data() + m0, kp, m0, wp, b0, b1, sp, op, n, cur);
+      kI8Tiles[mt - 1](xt.get() + m0 * kp, xs.get() + m0, kp, m0, wp, b0, b1, sp, op, n, cur);
     }
   });
   return out;
