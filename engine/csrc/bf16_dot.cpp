@@ -241,12 +241,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const Store store{fp32_out ? out.data_ptr<float>() : nullptr, fp32_out ? nullptr : out.data_ptr<at::BFloat16>(),
                     has_bias ? bias->data_ptr<float>() : nullptr, n};
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
 #if defined(BATON_AMX)
   const int64_t amx_rows = g_amx_min_rows.load(std::memory_order_relaxed);
   if (k % 32 == 0 && amx_rows > 0 && m >= amx_rows && amx_ready()) {
     const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
-    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { amx_linear(xb, m, k, wp, kp, b0, b1, store); });
     return out;
   }
@@ -260,8 +260,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       for (int r = 0; r < mt; ++r) tile[p * mt + r] = xp[(m0 + r) * kp + p];
   }
   const baton::SideRegions* side = baton::g_side;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  at::parallel_for(0, blocks, std::max<int64_t>(4, (blocks + threads - 1) / threads), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     baton::SideCursor cur(side, b0, b1, blocks, baton::side_calls(m, kp, b0, b1, blocks_for));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
       const int mt = static_cast<int>(std::min<int64_t>(16, m - m0));

@@ -976,9 +976,9 @@ at::Tensor int8_packed_linear(const at::Tensor& x, const at::Tensor& packed, con
   const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t blocks = packed.size(0);
-  const SideRegions* side = baton::g_side;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(4, (blocks + threads - 1) / threads);
+  const SideRegions* side = baton::g_side;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     SideCursor cur(side, b0, b1, blocks, baton::side_calls(m, kp, b0, b1, i8_blocks_for));
     for (int64_t m0 = 0; m0 < m; m0 += 16) {
