@@ -8,6 +8,7 @@ one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -71,16 +72,28 @@ class BoundedLabel:
         return OTHER
 
 
+# How long a scrape waits for its refresh (an engine thread between two steps, Redis) before it answers
+# with the values read before: a slow step or a starved process must not make the page time out
+# (Prometheus gives up after its scrape_timeout, 10 s by default, and marks the target down).
+REFRESH_WAIT_S = 2.0
+
+
 class MetricsEndpoint:
     """``GET /metrics`` of one registry on its own port (0: any free port). ``refresh`` is awaited before
     each scrape, on the event loop: it reads what must be read at scrape time (off the engine thread and
-    the request path; a scrape never blocks a request)."""
+    the request path; a scrape never blocks a request). A refresh that takes longer than
+    ``refresh_wait_s`` is left to finish on its own and the scrape shows the values it has."""
 
     def __init__(
-        self, registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
+        self,
+        registry: CollectorRegistry,
+        refresh: Callable[[], Awaitable[None]] | None = None,
+        refresh_wait_s: float = REFRESH_WAIT_S,
     ) -> None:
         self.registry = registry
         self.refresh = refresh
+        self.refresh_wait_s = refresh_wait_s
+        self._pending: asyncio.Future[None] | None = None  # a refresh still running after its scrape answered
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -101,19 +114,39 @@ class MetricsEndpoint:
         return self.url
 
     async def stop(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.refresh is not None:
-            try:
-                await self.refresh()
-            except Exception:  # a scrape shows what it has; the failure is in the log
-                log.exception("metrics refresh failed")
+            await self._refreshed()
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+    async def _refreshed(self) -> None:
+        """Awaits a refresh for up to ``refresh_wait_s``; one still running from an earlier scrape is
+        awaited instead of starting another (a wedged engine thread does not pile up refreshes)."""
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(self._refresh_logged())
+        try:
+            # shielded: a scrape that stops waiting leaves the refresh running, its values for the next
+            await asyncio.wait_for(asyncio.shield(self._pending), self.refresh_wait_s)
+        except TimeoutError:
+            log.warning(
+                "metrics refresh still running after %.1f s: this scrape shows earlier values",
+                self.refresh_wait_s,
+            )
+
+    async def _refresh_logged(self) -> None:
+        assert self.refresh is not None
+        try:
+            await self.refresh()
+        except Exception:  # a scrape shows what it has; the failure is in the log
+            log.exception("metrics refresh failed")
 
 
 class Forward(Collector):

@@ -480,7 +480,10 @@ LONG_SCHEMA = {
     "minItems": 80,
     "maxItems": 80,
 }
-LONG_CHOICES = [" ".join(["alpha beta gamma"] * 12), " ".join(["delta epsilon"] * 15)]
+# ~380 tokens each with the tiny model's tokenizer (max_tokens is 450): long enough that both choices
+# are still decoding when the test looks, even when a loaded machine prefills the second one after the
+# first has run for a while (at ~170 tokens a choice could end before its sibling started).
+LONG_CHOICES = [" ".join(["alpha beta gamma"] * 28), " ".join(["delta epsilon"] * 32)]
 TOOLS = [
     {
         "type": "function",
