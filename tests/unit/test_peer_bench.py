@@ -77,3 +77,23 @@ def test_the_mission_slo_asks_for_p95_ttft_under_250_ms_and_p95_itl_under_30_ms(
     machine = MachineInfo.probe(num_threads=2)
     text = render(machine, "cmd", [(System("Baton (up)", [], 0, []), [timed(1, 100, 10), timed(2, 300, 20)])])
     assert "mission SLO sustained 1 req/s, goal ≥ 6: **not met**" in text
+
+
+def test_single_stream_tpot_comes_from_the_closed_loop_and_is_never_a_rate() -> None:
+    def tpot(p: Point, ms: float, itl_p95: float = 10) -> Point:
+        assert p.result is not None
+        p.result.update({"median_tpot_ms": ms, "p95_ttft_ms": 100, "p95_itl_ms": itl_p95})
+        return p
+
+    single = tpot(point(1.0, 1.0), 8.3)
+    single.rate, single.single_stream = 0.0, True
+    rated = [tpot(point(0.5, 1.0), 11.1), tpot(point(1.0, 0.4), 30.0, itl_p95=45)]
+    assert sustained_rate([single, *rated]) == 0.5 and mission_rate([single, *rated]) == 0.5
+    machine = MachineInfo.probe(num_threads=2)
+    text = render(machine, "cmd", [(System("Baton (up)", [], 0, []), [single, *rated])])
+    assert "single-stream TPOT p50 8.3 ms, goal ≤ 10 ms: **met** (TPOT p50 at 0.5 req/s: 11.1 ms)" in text
+    assert "| Baton (up) | 1 stream |" in text
+    text = render(machine, "cmd", [(System("Baton (up)", [], 0, []), [tpot(single, 10.4), *rated])])
+    assert "single-stream TPOT p50 10.4 ms, goal ≤ 10 ms: **not met**" in text
+    text = render(machine, "cmd", [(System("Baton (up)", [], 0, []), rated)])
+    assert "single-stream TPOT **not measured**" in text
