@@ -106,8 +106,13 @@ class HttpTarget:
         self.model = config.model or ""
 
     async def open(self) -> str:
+        # A connection per request (as vLLM's benchmark client opened a session per request): a pooled
+        # keep-alive connection that the server closes as its stream ends fails the next request's write
+        # ("Can not write request body": 5 of 12 back-to-back requests to llama.cpp's server), which
+        # would count a client race as the server's failure. On loopback a connect costs ~0.1 ms.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None),
         )
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout)
