@@ -215,6 +215,11 @@ def test_a_partitioned_decode_worker_is_routed_around_and_rejoins_fenced(
         before = metric("baton_gateway_migrations_total")
         streams = [Stream(gw, prompt) for prompt in PROMPTS]
         eventually(lambda: all(len(s.ids) >= 3 for s in streams), 60, "every stream under way")
+        # What the far worker holds as the link goes: the streams that must migrate. (Once in a CI run,
+        # one of the four streams completed with no failover while three moved: it was not on the far
+        # worker when the link went, so counting all four as its own was the test's mistake.)
+        held = far.info().num_running
+        assert held >= 1, f"the far worker holds none of the {len(streams)} streams"
         link.cut()
         cut_at = time.monotonic()
         tokens_at_cut = [len(s.ids) for s in streams]
@@ -225,7 +230,7 @@ def test_a_partitioned_decode_worker_is_routed_around_and_rejoins_fenced(
         for s, expected in zip(streams, offline, strict=True):  # 0 lost, 0 duplicated
             assert s.ids == expected
         assert all(n < MAX_TOKENS for n in tokens_at_cut), tokens_at_cut
-        assert metric("baton_gateway_migrations_total") == before + len(streams)
+        assert metric("baton_gateway_migrations_total") == before + held  # each one it held moved
         # Its heartbeats no longer arrive: the scheduler takes it out of placement.
         eventually(
             lambda: _epoch(redis.url, far) == 0, HEARTBEAT_TIMEOUT_S + SLACK_S, "the far worker evicted"
